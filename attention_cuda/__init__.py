@@ -1,0 +1,9 @@
+"""Fused attention kernels (cosine-sim, exp, fastmax) with pure-PyTorch references.
+
+    from attention_cuda import cosine_sim_attention, fastmax_attention, exp_attention
+"""
+from .fastmax_module import FastMultiHeadAttention
+from .functional import cosine_sim_attention, cuda_unavailable_reason, exp_attention, fastmax_attention
+
+__all__ = ["cosine_sim_attention", "fastmax_attention", "exp_attention", "FastMultiHeadAttention",
+           "cuda_unavailable_reason"]

@@ -1,0 +1,97 @@
+"""Score policies: the one thing that differs between the attention families.
+
+Every family computes, per query row t, ``O_t = sum_s A_ts v_s / l_t`` with ``l_t = sum_s A_ts``
+(or no division, for ``exp``), where ``A = f(x)`` of a logit ``x``. The references and the CUDA
+kernels share this description, so a family is a policy, not a copy of the attention code.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+KINDS = ("cosine", "exp", "poly")
+
+
+@dataclass(frozen=True)
+class ScorePolicy:
+    """How logits become weights.
+
+    kind:        "cosine": A = exp(x - scale) (bounded by 1 when q, k are unit rows and there is no bias)
+                 "exp":    A = exp(x), no division by l
+                 "poly":   A = a0 + a1 x + a2 x^2 (fastmax; a2 = 0 for p = 1)
+    scale:       x = scale * (q . k) [+ bias]; q and k are first scaled to norm ``qk_norm`` when it is set.
+    qk_norm:     None, or the norm each q and k row is scaled to before the dot product (cosine: 1,
+                 fastmax ``normalize``: ``lim``). Zero rows stay zero (``x / max(|x|, eps)``).
+    normalize_rows: divide by l (False only for "exp").
+    """
+
+    kind: str
+    scale: float
+    qk_norm: float | None = None
+    a0: float = 0.0
+    a1: float = 0.0
+    a2: float = 0.0
+    normalize_rows: bool = True
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"ScorePolicy.kind: expected one of {KINDS}, got {self.kind!r}")
+        if not math.isfinite(self.scale):
+            raise ValueError(f"scale: expected a finite number, got {self.scale}")
+
+    @property
+    def bounded(self) -> bool:
+        """True when every weight is known to lie in (0, 1] without a running row max."""
+        return self.kind == "cosine" and self.qk_norm == 1.0
+
+
+NORM_EPS = 1e-12  # same clamp as torch.nn.functional.normalize, so a zero row maps to zero, not NaN
+
+
+def cosine_policy(scale: float, l2norm_qk: bool) -> ScorePolicy:
+    return ScorePolicy("cosine", float(scale), 1.0 if l2norm_qk else None)
+
+
+def exp_policy(scale: float) -> ScorePolicy:
+    return ScorePolicy("exp", float(scale), normalize_rows=False)
+
+
+def poly_policy(p: int, a0: float, a1: float, a2: float, temperature: float,
+                normalize: bool, lim: float) -> ScorePolicy:
+    check_poly_coefficients(p, a0, a1, a2, temperature, normalize, lim)
+    return ScorePolicy("poly", 1.0 / temperature, float(lim) if normalize else None,
+                       float(a0), float(a1), float(a2) if p == 2 else 0.0)
+
+
+def check_poly_coefficients(p, a0, a1, a2, temperature, normalize, lim):
+    """Reject fastmax settings whose weights could go negative (or are all zero) on reachable logits.
+
+    Negative weights make ``l`` cross zero and the output blow up; we refuse them up front rather
+    than return garbage. With ``normalize`` the logits are bounded by ``lim**2 / temperature``.
+    """
+    if p not in (1, 2):
+        raise ValueError(f"p: expected 1 or 2, got {p!r}")
+    for name, val in (("a0", a0), ("a1", a1), ("a2", a2), ("temperature", temperature), ("lim", lim)):
+        if not isinstance(val, (int, float)) or not math.isfinite(val):
+            raise ValueError(f"{name}: expected a finite number, got {val!r}")
+    if temperature <= 0:
+        raise ValueError(f"temperature: expected > 0, got {temperature}")
+    if normalize and lim <= 0:
+        raise ValueError(f"lim: expected > 0 with normalize=True, got {lim}")
+    c2 = a2 if p == 2 else 0.0
+    if a0 == 0 and a1 == 0 and c2 == 0:
+        raise ValueError("a0, a1, a2: f(x) is identically zero; every output would be zero")
+    bound = lim * lim / temperature if normalize else math.inf
+    f = lambda x: a0 + a1 * x + c2 * x * x  # noqa: E731
+    if math.isinf(bound):
+        ok = (c2 > 0 and a1 * a1 <= 4 * a0 * c2) or (c2 == 0 and a1 == 0 and a0 >= 0)
+        where = "for some logit (pass normalize=True to bound the logits, or pick a1**2 <= 4*a0*a2)"
+    else:
+        points = [-bound, bound]
+        if c2 != 0 and -bound < -a1 / (2 * c2) < bound:
+            points.append(-a1 / (2 * c2))
+        ok = min(f(x) for x in points) >= 0
+        where = f"for some logit in [-{bound:g}, {bound:g}] (= lim**2/temperature)"
+    if not ok:
+        raise ValueError(f"a0, a1, a2: f(x) = {a0} + {a1}*x" + (f" + {c2}*x^2" if p == 2 else "")
+                         + f" goes negative {where}; fastmax needs f >= 0")

@@ -1,0 +1,276 @@
+"""The pure-PyTorch references against a float64 brute-force loop written from the DESIGN.md math."""
+import itertools
+import math
+
+import pytest
+import torch
+
+from attention_cuda import FastMultiHeadAttention, cosine_sim_attention, exp_attention, fastmax_attention
+
+F64 = torch.float64
+
+FAMILIES = {
+    # name: (call, brute-force weight function f(x), logit scale, row norm or None, normalise rows)
+    "cosine": (lambda q, k, v, **kw: cosine_sim_attention(q, k, v, scale=10.0, **kw),
+               lambda x: math.exp(x - 10.0), 10.0, 1.0, True),
+    "exp": (lambda q, k, v, **kw: exp_attention(q, k, v, scale=0.5, **kw),
+            math.exp, 0.5, None, False),
+    "fastmax2": (lambda q, k, v, **kw: fastmax_attention(q, k, v, temperature=2.0, **kw),
+                 lambda x: 1 + x + 0.5 * x * x, 0.5, None, True),
+    "fastmax2_norm": (lambda q, k, v, **kw: fastmax_attention(q, k, v, normalize=True, lim=1.5, **kw),
+                      lambda x: 1 + x + 0.5 * x * x, 1.0, 1.5, True),
+    "fastmax1_norm": (lambda q, k, v, **kw: fastmax_attention(q, k, v, p=1, normalize=True, a1=0.8, **kw),
+                      lambda x: 1 + 0.8 * x, 1.0, 1.0, True),
+}
+
+
+def brute_force(family, q, k, v, causal=False, mask=None, bias=None):
+    """One query row at a time, one key at a time: O_t = sum_s f(x_ts) v_s [/ sum_s f(x_ts)]."""
+    _, f, scale, norm, normalise = FAMILIES[family]
+    b, h, i, d = q.shape
+    hkv, j = k.shape[1], k.shape[2]
+    rows = []
+    for bi, hi, t in itertools.product(range(b), range(h), range(i)):
+        kh = hi // (h // hkv)
+        qt = q[bi, hi, t]
+        if norm is not None:
+            qt = qt * norm / torch.clamp(qt.norm(), min=1e-12)
+        num, den = torch.zeros(d, dtype=F64), torch.zeros((), dtype=F64)
+        for s in range(j):
+            if (causal and s > t + j - i) or (mask is not None and not mask[bi, s]):
+                continue
+            ks = k[bi, kh, s]
+            if norm is not None:
+                ks = ks * norm / torch.clamp(ks.norm(), min=1e-12)
+            x = scale * (qt @ ks) + (bias[bi, hi, t, s] if bias is not None else 0)
+            w = torch.exp(x - 10.0) if family == "cosine" else (torch.exp(x) if family == "exp" else f(x))
+            num, den = num + w * v[bi, kh, s], den + w
+        rows.append(num / den if normalise and den > 0 else (num if not normalise else num * 0))
+    return torch.stack(rows).reshape(b, h, i, d)
+
+
+def rand(*shape, grad=True):
+    return torch.randn(*shape, dtype=F64, requires_grad=grad)
+
+
+def grads(out, inputs, seed=0):
+    g = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(seed))
+    return torch.autograd.grad(out, inputs, g, allow_unused=True)
+
+
+def assert_close_all(xs, ys, tol=1e-9):
+    for x, y in zip(xs, ys):
+        assert (x is None) == (y is None)
+        if x is not None:
+            torch.testing.assert_close(x, y, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("i,j", [(6, 6), (4, 7), (7, 4), (1, 5)])
+@pytest.mark.parametrize("kv", ["mha", "grouped", "shared"])
+def test_reference_matches_brute_force(family, causal, masked, i, j, kv):
+    torch.manual_seed(hash((family, causal, masked, i, j, kv)) % 2**31)
+    b, h, d = 2, 4, 8
+    hkv = {"mha": 4, "grouped": 2, "shared": 1}[kv]
+    q = rand(b, h, i, d)
+    k, v = rand(b, hkv, j, d), rand(b, hkv, j, d)
+    if family == "exp":  # keep exp(x) in a sane range
+        q, k = (q * 0.5).detach().requires_grad_(), (k * 0.5).detach().requires_grad_()
+    mask = torch.rand(b, j) > 0.4 if masked else None
+    call = FAMILIES[family][0]
+    kk, vv = (k[:, 0], v[:, 0]) if kv == "shared" else (k, v)  # (b, j, d): one shared kv head
+    out = call(q, kk, vv, causal=causal, mask=mask, backend="torch")
+    ref = brute_force(family, q, k, v, causal, mask)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    assert_close_all(grads(out, (q, k, v)), grads(ref, (q, k, v)))
+
+
+@pytest.mark.parametrize("bias_shape", ["hij", "bhij", "b1ij"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cosine_bias_and_its_gradient(bias_shape, causal):
+    torch.manual_seed(1)
+    b, h, i, j, d = 2, 3, 5, 6, 8
+    q, k, v = rand(b, h, i, d), rand(b, h, j, d), rand(b, h, j, d)
+    shape = {"hij": (h, i, j), "bhij": (b, h, i, j), "b1ij": (b, 1, i, j)}[bias_shape]
+    bias = (torch.randn(*shape, dtype=F64) * 20).requires_grad_()  # large: breaks the logit bound
+    out = cosine_sim_attention(q, k, v, causal=causal, attn_bias=bias, backend="torch")
+    ref = brute_force("cosine", q, k, v, causal, bias=bias.expand(b, h, i, j))
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    assert_close_all(grads(out, (q, k, v, bias)), grads(ref, (q, k, v, bias)))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_merged_batch_heads_equal_4d(family):
+    torch.manual_seed(2)
+    q, k, v = rand(2, 3, 5, 8), rand(2, 3, 5, 8), rand(2, 3, 5, 8)
+    call = FAMILIES[family][0]
+    out4 = call(q, k, v, causal=True, backend="torch")
+    out3 = call(q.reshape(6, 5, 8), k.reshape(6, 5, 8), v.reshape(6, 5, 8), causal=True, backend="torch")
+    assert out3.shape == (6, 5, 8)
+    torch.testing.assert_close(out3.reshape(2, 3, 5, 8), out4)
+
+
+def test_merged_mask_and_bias_are_per_batch_head():
+    torch.manual_seed(3)
+    q, k, v = rand(6, 4, 8), rand(6, 5, 8), rand(6, 5, 8)
+    mask, bias = torch.rand(6, 5) > 0.3, torch.randn(6, 4, 5, dtype=F64)
+    out = cosine_sim_attention(q, k, v, mask=mask, attn_bias=bias, backend="torch")
+    ref = brute_force("cosine", q[:, None], k[:, None], v[:, None], mask=mask, bias=bias[:, None])
+    torch.testing.assert_close(out, ref[:, 0])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_rows_without_visible_keys_are_zero_not_nan(family):
+    q, k, v = rand(2, 2, 4, 8), rand(2, 2, 6, 8), rand(2, 2, 6, 8)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1] = False  # batch 1 sees nothing
+    out = FAMILIES[family][0](q, k, v, mask=mask, backend="torch")
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert all(torch.isfinite(g).all() for g in grads(out, (q, k, v)))
+    # causal with i > j: the first i - j queries see no key (bottom-right alignment)
+    out = FAMILIES[family][0](rand(1, 1, 7, 8), k[:1, :1, :3], v[:1, :1, :3], causal=True, backend="torch")
+    assert torch.equal(out[0, 0, :4], torch.zeros(4, 8, dtype=F64)) and out[0, 0, 4:].abs().sum() > 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("i,j", [(1, 1), (9, 9), (37, 37), (11, 30), (30, 11)])
+@pytest.mark.parametrize("p,normalize", [(2, False), (2, True), (1, True)])
+def test_fastmax_linear_form_equals_quadratic(causal, masked, i, j, p, normalize):
+    torch.manual_seed(4)
+    q, k, v = rand(2, 4, i, 8), rand(2, 2, j, 8), rand(2, 2, j, 8)
+    mask = torch.rand(2, j) > 0.3 if masked else None
+    kw = dict(causal=causal, mask=mask, p=p, normalize=normalize, temperature=1.5, backend="torch")
+    quad = fastmax_attention(q, k, v, form="quadratic", **kw)
+    lin = fastmax_attention(q, k, v, form="linear", **kw)
+    torch.testing.assert_close(lin, quad, rtol=1e-10, atol=1e-10)
+    assert_close_all(grads(lin, (q, k, v)), grads(quad, (q, k, v)), tol=1e-9)
+
+
+def test_fastmax_linear_form_chunks_and_fp32_state():
+    """Many chunks at a length that is no chunk multiple; bf16 inputs keep fp32 moments."""
+    from attention_cuda import reference
+    from attention_cuda.score import poly_policy
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 203, 16) for _ in range(3))
+    pol = poly_policy(2, 1.0, 1.0, 0.5, 4.0, False, 1.0)
+    ref = reference.quadratic(q.double(), k.double(), v.double(), None, None, True, pol)
+    lin = reference.fastmax_linear(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, True, pol, chunk=16)
+    assert lin.dtype == torch.bfloat16
+    err = (lin.double() - ref).norm() / ref.norm()
+    assert err < 1e-2, err
+
+
+def test_fastmax_auto_form_picks_linear_for_long_sequences(monkeypatch):
+    from attention_cuda import functional, reference
+    picked = []
+    monkeypatch.setattr(reference, "fastmax_linear", lambda *a, **kw: picked.append("linear") or a[0])
+    monkeypatch.setattr(reference, "quadratic", lambda *a, **kw: picked.append("quadratic") or a[0])
+    d = 4
+    cross = functional.fastmax_flops_crossover(d, 2)
+    for n in (cross, cross + 1):
+        x = torch.randn(1, 1, n, d)
+        fastmax_attention(x, x, x, backend="torch")
+        fastmax_attention(x, x, x, backend="torch", dropout=0.1)  # dropout forces the quadratic form
+    assert picked == ["quadratic", "quadratic", "linear", "quadratic"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("family", ["cosine", "fastmax2"])
+def test_low_precision_inputs_stay_close(dtype, family):
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(2, 2, 33, 16) for _ in range(3))
+    call = FAMILIES[family][0]
+    ref = call(q.double(), k.double(), v.double(), causal=True, backend="torch")
+    out = call(q.to(dtype), k.to(dtype), v.to(dtype), causal=True, backend="torch")
+    assert out.dtype == dtype
+    assert (out.double() - ref).norm() / ref.norm() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_fastmax_dropout_drops_weights():
+    torch.manual_seed(7)
+    q, k, v = (torch.randn(1, 1, 16, 8) for _ in range(3))
+    plain = fastmax_attention(q, k, v, form="quadratic", backend="torch")
+    torch.manual_seed(0)
+    a = fastmax_attention(q, k, v, dropout=0.5, form="quadratic", backend="torch")
+    torch.manual_seed(0)
+    b = fastmax_attention(q, k, v, dropout=0.5, form="quadratic", backend="torch")
+    assert torch.equal(a, b) and not torch.allclose(a, plain)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        fastmax_attention(q, k, v, dropout=0.1, form="linear", backend="torch")
+
+
+def test_fast_multihead_attention_accepts_the_original_call():
+    torch.manual_seed(8)
+    b, h, n, d = 2, 3, 10, 8
+    q, k, v = (torch.randn(b, h, n, d) for _ in range(3))
+    fm = FastMultiHeadAttention(use_custom_gradient=True)
+    rpe = torch.zeros(2 * n - 1, d)
+    noise = torch.randn(b, h, n, d)
+    out4 = fm(q, k, v, noise, rpe, True, 0.0, True, 1.0, 1.0, 1.0, 0.5, 1.0, 2)
+    out3 = fm(q.reshape(b * h, n, d), k.reshape(b * h, n, d), v.reshape(b * h, n, d), noise, rpe, mask=True,
+              normalize=True)
+    assert out4.shape == (b, h, n, d) and out3.shape == (b * h, n, d)
+    torch.testing.assert_close(out3.reshape(b, h, n, d), out4)
+    ref = fastmax_attention(q, k, v, causal=True, normalize=True, backend="torch")
+    torch.testing.assert_close(out4, ref)
+    torch.testing.assert_close(FastMultiHeadAttention(False)(q, k, v, mask=False, p=1, normalize=True),
+                               fastmax_attention(q, k, v, p=1, normalize=True, backend="torch"))
+    with pytest.raises(NotImplementedError, match="rpe_matrix"):
+        fm(q, k, v, noise, torch.ones(2 * n - 1, d), True)
+    with pytest.raises(ValueError, match="mask"):
+        fm(q, k, v, mask=torch.ones(b, n, dtype=torch.bool))
+    with pytest.warns(UserWarning, match="drop_noise"):
+        fm(q, k, v, noise, None, False, 0.1)
+
+
+BAD_CALLS = [
+    (dict(q=torch.randn(2, 4, 8)), "k"),                                     # merged q, 4d k
+    (dict(q=torch.randn(4, 8)), "q"),
+    (dict(k=torch.randn(2, 3, 5, 8), v=torch.randn(2, 3, 5, 8)), "h_kv"),    # 3 does not divide 4
+    (dict(k=torch.randn(3, 4, 5, 8), v=torch.randn(3, 4, 5, 8)), "batch"),
+    (dict(k=torch.randn(2, 4, 5, 4), v=torch.randn(2, 4, 5, 4)), "head dim"),
+    (dict(v=torch.randn(2, 4, 6, 8)), "same shape"),
+    (dict(q=torch.randn(2, 4, 5, 8, dtype=torch.float64)), "one dtype"),
+    (dict(q=torch.randint(0, 3, (2, 4, 5, 8))), "dtype"),
+    (dict(q=torch.randn(2, 4, 0, 8)), "non-empty"),
+    (dict(mask=torch.ones(2, 5)), "bool"),
+    (dict(mask=torch.ones(2, 4, dtype=torch.bool)), "mask"),
+    (dict(backend="triton"), "backend"),
+]
+
+
+@pytest.mark.parametrize("kwargs,match", BAD_CALLS)
+def test_bad_inputs_name_the_problem(kwargs, match):
+    args = dict(q=torch.randn(2, 4, 5, 8), k=torch.randn(2, 4, 5, 8), v=torch.randn(2, 4, 5, 8))
+    args.update(kwargs)
+    with pytest.raises((ValueError, TypeError), match=match):
+        cosine_sim_attention(**args)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(p=3), "p"),
+    (dict(temperature=0.0), "temperature"),
+    (dict(a0=0.1), "a0, a1, a2"),                       # 1 - 4*0.1*0.5 > 0: f dips below zero
+    (dict(p=1), "normalize"),                           # a linear f is negative somewhere on R
+    (dict(p=1, normalize=True, lim=2.0), "a0, a1, a2"),  # |x| <= 4 > a0/a1
+    (dict(a0=0.0, a1=0.0, a2=0.0), "identically zero"),
+    (dict(dropout=1.0), "dropout"),
+    (dict(form="cubic"), "form"),
+])
+def test_fastmax_rejects_bad_settings(kwargs, match):
+    x = torch.randn(1, 1, 4, 8)
+    with pytest.raises(ValueError, match=match):
+        fastmax_attention(x, x, x, backend="torch", **kwargs)
+
+
+def test_bias_shape_and_backend_errors():
+    x = torch.randn(2, 4, 5, 8)
+    with pytest.raises(ValueError, match="attn_bias"):
+        cosine_sim_attention(x, x, x, attn_bias=torch.randn(3, 5, 5), backend="torch")
+    with pytest.raises(NotImplementedError, match='backend="cuda"'):
+        cosine_sim_attention(x, x, x, backend="cuda")
+    # "auto" on CPU tensors runs the reference
+    torch.testing.assert_close(cosine_sim_attention(x, x, x), cosine_sim_attention(x, x, x, backend="torch"))
