@@ -1,0 +1,301 @@
+import gzip
+import hashlib
+import http.server
+import io
+import threading
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from data import (DataError, RandomWindowSampler, eval_windows, load_enwik8, num_eval_targets, read_local,
+                  split_enwik8, split_sizes)
+from data.__main__ import main as data_cli
+
+SHARED_4MB = Path(__file__).resolve().parents[2] / "shared" / "data" / "enwik8-first4mb"
+PAYLOAD = np.random.default_rng(0).integers(0, 256, size=5000, dtype=np.uint8).tobytes()
+
+
+def zip_bytes(members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, content in members.items():
+            zf.writestr(name, content)
+    return buf.getvalue()
+
+
+GOOD_ZIP = zip_bytes({"enwik8": PAYLOAD})
+NOT_A_ZIP = b"not a zip"
+GOOD_SUMS = {"zip_sha256": hashlib.sha256(GOOD_ZIP).hexdigest(), "md5": hashlib.md5(PAYLOAD).hexdigest()}
+
+
+@pytest.fixture
+def server():
+    """A local HTTP server: routes maps a path to (body, Content-Length or None); requests logs every GET."""
+    routes, requests = {}, []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            requests.append(self.path)
+            if self.path not in routes:
+                self.send_error(404)
+                return
+            body, length = routes[self.path]
+            self.send_response(200)
+            if length is not None:
+                self.send_header("Content-Length", str(length))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_port}", routes, requests
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join()
+
+
+def test_download_verifies_caches_and_does_not_fetch_again(server, tmp_path):
+    base, routes, requests = server
+    routes["/enwik8.zip"] = (GOOD_ZIP, len(GOOD_ZIP))
+    cache = tmp_path / "cache"
+    n_train, n_val, n_test = split_sizes(len(PAYLOAD))
+    for _ in range(2):
+        splits = load_enwik8(cache_dir=cache, url=base + "/enwik8.zip", log=lambda msg: None, **GOOD_SUMS)
+        assert b"".join(split.tobytes() for split in splits.values()) == PAYLOAD
+        assert [len(split) for split in splits.values()] == [n_train, n_val, n_test]
+    assert requests == ["/enwik8.zip"]
+    assert [p.name for p in cache.iterdir()] == ["enwik8"]
+
+
+def test_corrupted_cache_is_reported_not_used(server, tmp_path):
+    base, routes, _ = server
+    routes["/enwik8.zip"] = (GOOD_ZIP, len(GOOD_ZIP))
+    cache = tmp_path / "cache"
+    load_enwik8(cache_dir=cache, url=base + "/enwik8.zip", log=lambda msg: None, **GOOD_SUMS)
+    (cache / "enwik8").write_bytes(PAYLOAD[:-1])
+    with pytest.raises(DataError, match="delete it"):
+        load_enwik8(cache_dir=cache, url=base + "/enwik8.zip", log=lambda msg: None, **GOOD_SUMS)
+
+
+@pytest.mark.parametrize("body, length, sums, message", [
+    (GOOD_ZIP[:-100], len(GOOD_ZIP), GOOD_SUMS, "truncated: received"),    # server closes early
+    (GOOD_ZIP[:-100], None, GOOD_SUMS, "sha256"),                           # no Content-Length: the checksum
+    (GOOD_ZIP, len(GOOD_ZIP), {**GOOD_SUMS, "zip_sha256": "0" * 64}, "sha256"),
+    (GOOD_ZIP, len(GOOD_ZIP), {**GOOD_SUMS, "md5": "0" * 32}, "md5"),
+    (NOT_A_ZIP, len(NOT_A_ZIP), {**GOOD_SUMS, "zip_sha256": hashlib.sha256(NOT_A_ZIP).hexdigest()},
+     "not a valid zip"),
+], ids=["short-body", "short-body-no-length", "wrong-sha256", "wrong-md5", "not-a-zip"])
+def test_bad_download_raises_and_leaves_nothing(server, tmp_path, body, length, sums, message):
+    base, routes, _ = server
+    routes["/enwik8.zip"] = (body, length)
+    cache = tmp_path / "cache"
+    with pytest.raises(DataError, match=message) as err:
+        load_enwik8(cache_dir=cache, url=base + "/enwik8.zip", log=lambda msg: None, **sums)
+    assert "--data-path" in str(err.value)
+    assert list(cache.iterdir()) == []
+
+
+def test_http_error_is_clear(server, tmp_path):
+    base, _, _ = server
+    with pytest.raises(DataError, match="HTTP 404") as err:
+        load_enwik8(cache_dir=tmp_path / "cache", url=base + "/missing.zip", log=lambda msg: None)
+    assert base + "/missing.zip" in str(err.value) and "--data-path" in str(err.value)
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+@pytest.mark.parametrize("name, content", [
+    ("enwik8", PAYLOAD),
+    ("enwik8.zip", GOOD_ZIP),
+    ("other.zip", zip_bytes({"readme.txt": b"x", "enwik8": PAYLOAD})),
+    ("single.zip", zip_bytes({"some-name": PAYLOAD})),
+    ("enwik8.gz", gzip.compress(PAYLOAD)),
+], ids=["raw", "zip", "zip-named-member", "zip-single-member", "gz"])
+def test_local_files(tmp_path, name, content):
+    (tmp_path / name).write_bytes(content)
+    logged = []
+    data = read_local(tmp_path / name, log=logged.append)
+    assert data.dtype == np.uint8 and data.tobytes() == PAYLOAD
+    assert f"{len(PAYLOAD):,} bytes" in logged[0] and "not checksum-verified" in logged[0]
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("two.zip", zip_bytes({"a": b"1", "b": b"2"}), "'enwik8' or a single file"),
+    ("bad.zip", b"not a zip", "cannot read"),
+    ("bad.gz", b"not gzip", "cannot read"),
+    ("cut.gz", gzip.compress(PAYLOAD)[:-20], "cannot read"),
+    ("empty", b"", "is empty"),
+], ids=["zip-ambiguous", "bad-zip", "bad-gz", "truncated-gz", "empty"])
+def test_bad_local_files(tmp_path, name, content, message):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(DataError, match=message):
+        read_local(tmp_path / name, log=lambda msg: None)
+
+
+def test_missing_local_file_names_the_path(tmp_path):
+    with pytest.raises(DataError, match=f"data_path: {tmp_path / 'nope'} does not exist"):
+        load_enwik8(data_path=tmp_path / "nope", log=lambda msg: None)
+
+
+def test_split_sizes():
+    assert split_sizes(100_000_000) == (90_000_000, 5_000_000, 5_000_000)
+    assert split_sizes(4_154_064) == (3_738_658, 207_703, 207_703)
+    assert split_sizes(1001) == (901, 50, 50)
+    assert split_sizes(3) == (1, 1, 1)
+    with pytest.raises(ValueError, match="at least 3 bytes"):
+        split_sizes(2)
+
+
+@pytest.mark.parametrize("n", [3, 57, 1001, 20_000])
+def test_splits_are_contiguous_and_cover_the_file(n):
+    data = np.arange(n, dtype=np.int64).astype(np.uint8)
+    logged = []
+    splits = split_enwik8(data, log=logged.append)
+    assert list(splits) == ["train", "val", "test"]
+    assert tuple(len(s) for s in splits.values()) == split_sizes(n)
+    assert np.array_equal(np.concatenate(list(splits.values())), data)
+    assert "proportionally" in logged[0]
+
+
+def three_splits(n=3000):
+    """A file whose train, val and test bytes are 1, 2 and 3, so any window crossing a boundary shows."""
+    n_train, n_val, n_test = split_sizes(n)
+    data = np.repeat(np.array([1, 2, 3], dtype=np.uint8), [n_train, n_val, n_test])
+    return split_enwik8(data, log=lambda msg: None)
+
+
+def test_sampler_stays_in_its_split():
+    for value, split in enumerate(three_splits().values(), start=1):
+        sampler = RandomWindowSampler(split, batch_size=64, seq_len=len(split) // 2, seed=0)
+        for _ in range(5):
+            x, y = sampler.next_batch()
+            assert (x == value).all() and (y == value).all()
+
+
+def test_sampler_windows_shift_and_reach_both_ends():
+    data = np.arange(200, dtype=np.uint8)   # byte value == offset, so x[:, 0] is the window start
+    sampler = RandomWindowSampler(data, batch_size=4096, seq_len=16, seed=3)
+    x, y = sampler.next_batch()
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (4096, 16)
+    assert torch.equal(y, x + 1)
+    assert x[:, 0].min() == 0 and y[:, -1].max() == 199
+
+
+def test_sampler_resume_is_bit_exact():
+    data = np.random.default_rng(1).integers(0, 256, size=10_000, dtype=np.uint8)
+    uninterrupted = RandomWindowSampler(data, batch_size=8, seq_len=32, seed=7)
+    batches = [uninterrupted.next_batch() for _ in range(6)]
+
+    interrupted = RandomWindowSampler(data, batch_size=8, seq_len=32, seed=7)
+    for _ in range(3):
+        interrupted.next_batch()
+    buf = io.BytesIO()
+    torch.save(interrupted.state_dict(), buf)
+    buf.seek(0)
+    resumed = RandomWindowSampler(data, batch_size=8, seq_len=32, seed=7)
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    for expected in batches[3:]:
+        assert all(torch.equal(a, b) for a, b in zip(resumed.next_batch(), expected))
+
+    with pytest.raises(ValueError, match="seed"):
+        RandomWindowSampler(data, batch_size=8, seq_len=32, seed=8).load_state_dict(interrupted.state_dict())
+
+
+def test_sampler_ranks_draw_different_streams():
+    data = np.random.default_rng(1).integers(0, 256, size=10_000, dtype=np.uint8)
+    x0, _ = RandomWindowSampler(data, 8, 32, seed=7, rank=0, world_size=2).next_batch()
+    x0_again, _ = RandomWindowSampler(data, 8, 32, seed=7, rank=0, world_size=2).next_batch()
+    x1, _ = RandomWindowSampler(data, 8, 32, seed=7, rank=1, world_size=2).next_batch()
+    assert torch.equal(x0, x0_again) and not torch.equal(x0, x1)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"seq_len": 100}, r"seq_len=100 needs windows of seq_len \+ 1 = 101 bytes, but the split has only 100"),
+    ({"seq_len": 0}, "seq_len: expected a positive int"),
+    ({"batch_size": 0}, "batch_size: expected a positive int"),
+    ({"seed": -1}, "seed: expected a non-negative int"),
+    ({"rank": 2, "world_size": 2}, r"rank: expected an int in \[0, world_size=2\)"),
+    ({"data": np.zeros(100, dtype=np.int64)}, "data: expected a 1-D uint8 numpy array"),
+    ({"data": torch.zeros(100, dtype=torch.uint8)}, "data: expected a 1-D uint8 numpy array"),
+])
+def test_sampler_rejects_bad_arguments(kwargs, message):
+    args = {"data": np.zeros(100, dtype=np.uint8), "batch_size": 4, "seq_len": 8, "seed": 0, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        RandomWindowSampler(**args)
+
+
+def scored_counts(data, seq_len, batch_size, max_windows=None):
+    """How many times each byte of data is scored as a target, checking x and y against data on the way."""
+    counts = np.zeros(len(data), dtype=np.int64)
+    n_windows = 0
+    for x, y, mask in eval_windows(data, seq_len, batch_size, max_windows):
+        assert x.dtype == y.dtype == torch.int64 and mask.dtype == torch.bool
+        assert x.shape == y.shape == mask.shape and x.shape[0] <= batch_size
+        for xi, yi, mi in zip(x.numpy(), y.numpy(), mask.numpy()):
+            start = int(xi[0])   # byte value == offset
+            assert np.array_equal(xi, data[start:start + seq_len])
+            assert np.array_equal(yi, data[start + 1:start + seq_len + 1])
+            counts[start + 1:start + seq_len + 1] += mi
+            n_windows += 1
+    return counts, n_windows
+
+
+@pytest.mark.parametrize("n, seq_len", [(200, 16), (193, 16), (17, 16), (200, 1), (200, 199)])
+def test_eval_windows_score_every_target_once(n, seq_len):
+    data = np.arange(n, dtype=np.uint8)
+    counts, n_windows = scored_counts(data, seq_len, batch_size=3)
+    assert counts[0] == 0 and (counts[1:] == 1).all()
+    assert n_windows == -(-(n - 1) // seq_len)
+    assert num_eval_targets(data, seq_len) == n - 1
+
+
+@pytest.mark.parametrize("max_windows", [1, 2, 5, 12])
+def test_eval_windows_max_windows(max_windows):
+    data = np.arange(200, dtype=np.uint8)
+    counts, n_windows = scored_counts(data, seq_len=16, batch_size=4, max_windows=max_windows)
+    assert n_windows == max_windows and counts.max() == 1
+    assert counts.sum() == max_windows * 16 == num_eval_targets(data, 16, max_windows)
+    assert counts[1] == 1 and (max_windows == 1 or counts[-1] == 1)   # spread from start to end
+
+
+def test_eval_windows_max_windows_at_least_the_full_count_covers_everything():
+    data = np.arange(200, dtype=np.uint8)
+    counts, n_windows = scored_counts(data, seq_len=16, batch_size=4, max_windows=100)
+    assert n_windows == 13 and (counts[1:] == 1).all()
+
+
+def test_eval_windows_are_deterministic():
+    data = np.random.default_rng(2).integers(0, 256, size=5000, dtype=np.uint8)
+    for max_windows in (None, 7):
+        first, second = (list(eval_windows(data, 64, 5, max_windows)) for _ in range(2))
+        assert len(first) == len(second)
+        assert all(torch.equal(a, b) for pair in zip(first, second) for a, b in zip(*pair))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"seq_len": 100}, r"seq_len=100 .* only 100 bytes"),
+    ({"batch_size": 0}, "batch_size: expected a positive int"),
+    ({"max_windows": 0}, "max_windows: expected a positive int"),
+])
+def test_eval_windows_reject_bad_arguments(kwargs, message):
+    args = {"data": np.zeros(100, dtype=np.uint8), "seq_len": 8, "batch_size": 4, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        eval_windows(**args)
+
+
+@pytest.mark.skipif(not SHARED_4MB.exists(), reason="needs ../shared/data/enwik8-first4mb")
+def test_first_4mb_of_enwik8(capsys):
+    data_cli(["--data-path", str(SHARED_4MB)])
+    out = capsys.readouterr().out
+    assert "4,154,064 bytes" in out and "proportionally" in out
+    splits = load_enwik8(data_path=SHARED_4MB, log=lambda msg: None)
+    assert [len(s) for s in splits.values()] == [3_738_658, 207_703, 207_703]
+    assert splits["train"][:10].tobytes() == b"<mediawiki"
+    x, y = RandomWindowSampler(splits["val"], batch_size=2, seq_len=1024, seed=0).next_batch()
+    assert x.shape == (2, 1024)
