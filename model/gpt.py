@@ -1,0 +1,185 @@
+"""A byte-level GPT: token embedding, pre-norm transformer blocks with RoPE attention, tied output head.
+
+RMSNorm rather than LayerNorm: the model has no biases anywhere, and without its bias LayerNorm differs
+from RMSNorm only by re-centring, which modern LMs (LLaMA, OLMo-2) found they can drop; it is also one
+reduction cheaper per call.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attention_cuda.score import check_poly_coefficients
+from model.attention import CausalSelfAttention, attention_flops_per_token, rope_tables
+
+VOCAB_SIZE = 256  # bytes
+ATTENTIONS = ("softmax", "cosine", "fastmax")
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = 8
+    n_head: int = 8
+    n_kv_head: int | None = None  # key/value heads; None = n_head (1 = multi-query)
+    n_embd: int = 512
+    seq_len: int = 8192
+    dropout: float = 0.0
+    attention: str = "softmax"  # softmax | cosine | fastmax
+    use_cuda_kernel: bool = False  # cosine/fastmax on attention_cuda's kernels instead of its PyTorch reference
+    cosine_scale: float = 10.0
+    fastmax_p: int = 2
+    fastmax_a0: float = 1.0
+    fastmax_a1: float = 1.0
+    fastmax_a2: float = 0.5
+    fastmax_temperature: float = 1.0
+    fastmax_normalize: bool = False
+    fastmax_lim: float = 1.0
+    rope_base: float = 10000.0
+
+    def __post_init__(self):
+        for name in ("n_layer", "n_head", "n_embd", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive int, got {getattr(self, name)}")
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
+            raise ValueError(f"n_kv_head: expected a positive divisor of n_head={self.n_head}, got {self.n_kv_head}")
+        if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"n_embd: expected a multiple of n_head={self.n_head} with an even head dim "
+                             f"(RoPE rotates pairs), got {self.n_embd}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout: expected a probability in [0, 1), got {self.dropout}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention: expected one of {ATTENTIONS}, got {self.attention!r}")
+        if self.use_cuda_kernel and self.attention == "softmax":
+            raise ValueError("use_cuda_kernel: softmax always runs on PyTorch's fused SDPA kernels; "
+                             "the flag selects our kernels for attention='cosine' or 'fastmax'")
+        if not self.cosine_scale > 0:
+            raise ValueError(f"cosine_scale: expected > 0, got {self.cosine_scale}")
+        if not self.rope_base > 1:
+            raise ValueError(f"rope_base: expected > 1, got {self.rope_base}")
+        if self.attention == "fastmax":
+            try:
+                check_poly_coefficients(self.fastmax_p, self.fastmax_a0, self.fastmax_a1, self.fastmax_a2,
+                                        self.fastmax_temperature, self.fastmax_normalize, self.fastmax_lim)
+            except ValueError as err:
+                raise ValueError(f"fastmax_*: {err}") from None
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+class RMSNorm(nn.Module):
+    """Scale rows to unit RMS (in fp32, so bf16 activations do not lose the statistic), then by a gain."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.mlp_norm = RMSNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(VOCAB_SIZE, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, VOCAB_SIZE, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: the byte's input and output embeddings are one matrix
+        cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+        # GPT-2: every block adds two residual branches, so their output projections start smaller to
+        # keep the residual stream's variance independent of depth.
+        for block in self.blocks:
+            for proj in (block.attn.proj, block.mlp.proj):
+                nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        """Parameters counted once (the tied embedding is one matrix)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6·N for the weights (forward 2·N, backward 4·N) plus attention."""
+        return 6 * self.num_params() + attention_flops_per_token(self.cfg)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"):
+        """logits (B, T, 256) and the loss in nats: mean over tokens, or per token (B, T) with
+        reduction="none" (for evaluation by position); the loss is None without targets."""
+        t = idx.shape[1]
+        if t > self.cfg.seq_len:
+            raise ValueError(f"idx: sequence length {t} exceeds the model's seq_len={self.cfg.seq_len}")
+        if reduction not in ("mean", "none"):
+            raise ValueError(f"reduction: expected 'mean' or 'none', got {reduction!r}")
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        x = self.drop(self.wte(idx))
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        logits = self.lm_head(self.norm(x))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction)
+        return logits, loss.view_as(targets) if reduction == "none" else loss
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Append max_new_tokens sampled bytes to idx (B, T), each conditioned on at most seq_len bytes.
+
+        Call model.eval() first so dropout is off. ``generator`` keeps sampling off the global RNG, so
+        drawing a sample mid-training does not change the run.
+        """
+        if not temperature > 0:
+            raise ValueError(f"temperature: expected > 0, got {temperature}")
+        if top_k is not None and not 1 <= top_k <= VOCAB_SIZE:
+            raise ValueError(f"top_k: expected None or an int in [1, {VOCAB_SIZE}], got {top_k}")
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.cfg.seq_len:])
+            logits = logits[:, -1].float() / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, top_k).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            next_byte = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, next_byte], dim=1)
+        return idx

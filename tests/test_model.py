@@ -1,0 +1,170 @@
+import math
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+from model.attention import CausalSelfAttention, apply_rope, attention_flops_per_token, rope_tables
+
+FAMILIES = {
+    "softmax": {"attention": "softmax"},
+    "cosine": {"attention": "cosine"},
+    "fastmax": {"attention": "fastmax"},
+    "fastmax_p1_normalize": {"attention": "fastmax", "fastmax_p": 1, "fastmax_normalize": True},
+}
+
+
+def tiny(**overrides) -> GPTConfig:
+    return GPTConfig(**{"n_layer": 2, "n_head": 4, "n_embd": 32, "seq_len": 16, **overrides})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forward_backward(family):
+    torch.manual_seed(0)
+    model = GPT(tiny(**FAMILIES[family]))
+    idx = torch.randint(0, 256, (3, 16))
+    logits, loss = model(idx, idx.roll(-1, dims=1))
+    assert logits.shape == (3, 16, 256)
+    assert loss.shape == () and math.isfinite(loss.item())
+    # Near-uniform predictions at init: the loss starts close to ln(256).
+    assert abs(loss.item() - math.log(256)) < 0.5
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_causal(family):
+    """Changing a later byte changes no earlier logit, for every attention family."""
+    torch.manual_seed(0)
+    model = GPT(tiny(**FAMILIES[family])).eval()
+    idx = torch.randint(0, 256, (1, 16))
+    changed = idx.clone()
+    changed[0, 10] = (idx[0, 10] + 1) % 256
+    a, _ = model(idx)
+    b, _ = model(changed)
+    torch.testing.assert_close(a[:, :10], b[:, :10], rtol=0, atol=1e-6)
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_per_position_loss_matches_mean():
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    idx, targets = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    _, mean = model(idx, targets)
+    _, per_token = model(idx, targets, reduction="none")
+    assert per_token.shape == (2, 16)
+    torch.testing.assert_close(per_token.mean(), mean)
+
+
+def test_tied_embeddings_counted_once():
+    model = GPT(tiny())
+    assert model.lm_head.weight is model.wte.weight
+    unique = {id(p): p.numel() for m in model.modules() for p in m.parameters(recurse=False)}
+    assert model.num_params() == sum(unique.values())
+    assert model.num_params() < sum(p.numel() for m in model.modules() for p in m.parameters(recurse=False))
+
+
+def test_residual_projections_start_smaller():
+    cfg = tiny(n_layer=8, n_embd=256)
+    model = GPT(cfg)
+    block = model.blocks[0]
+    assert block.attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    for proj in (block.attn.proj, block.mlp.proj):
+        assert proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(2 * cfg.n_layer), rel=0.05)
+
+
+def test_generate_length_and_greedy_determinism():
+    torch.manual_seed(0)
+    model = GPT(tiny()).eval()
+    prompt = torch.randint(0, 256, (2, 5))
+    out = model.generate(prompt, 20, top_k=1, generator=torch.Generator().manual_seed(1))
+    again = model.generate(prompt, 20, top_k=1, generator=torch.Generator().manual_seed(2))
+    assert out.shape == (2, 25)  # 25 > seq_len: the context is cropped to the last 16 bytes
+    assert torch.equal(out[:, :5], prompt)
+    assert torch.equal(out, again)
+    logits, _ = model(out[:, -17:-1])  # the last step saw exactly the 16 bytes before it
+    assert torch.equal(out[:, -1], logits[:, -1].argmax(-1))
+
+
+def test_generate_samples_from_its_generator():
+    torch.manual_seed(0)
+    model = GPT(tiny()).eval()
+    prompt = torch.zeros(1, 1, dtype=torch.long)
+    a = model.generate(prompt, 30, generator=torch.Generator().manual_seed(3))
+    b = model.generate(prompt, 30, generator=torch.Generator().manual_seed(3))
+    c = model.generate(prompt, 30, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_rope_depends_on_relative_position_only():
+    torch.manual_seed(0)
+    d, n = 16, 64
+    cos, sin = rope_tables(n, d, 10000.0)
+    q, k = torch.randn(d), torch.randn(d)
+
+    def score(m, s):  # q at position m against k at position s
+        qm = apply_rope(q.expand(1, 1, n, d), cos, sin)[0, 0, m]
+        ks = apply_rope(k.expand(1, 1, n, d), cos, sin)[0, 0, s]
+        return (qm @ ks).item()
+
+    assert score(10, 3) == pytest.approx(score(40, 33), abs=1e-4)
+    assert score(5, 5) == pytest.approx(score(50, 50), abs=1e-4)
+    assert score(5, 5) == pytest.approx((q @ k).item(), abs=1e-4)  # offset 0: no rotation left
+    assert abs(score(10, 3) - score(10, 4)) > 1e-3
+    # A rotation keeps norms, so cosine's l2-normalisation after RoPE sees the same lengths.
+    rotated = apply_rope(q.expand(1, 1, n, d), cos, sin)[0, 0]
+    torch.testing.assert_close(rotated.norm(dim=-1), q.norm().expand(n))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grouped_kv_equals_repeated_heads(family):
+    """n_kv_head=2 of 4 heads == full multi-head attention with each kv head copied to its query group."""
+    torch.manual_seed(0)
+    grouped = CausalSelfAttention(tiny(n_kv_head=2, **FAMILIES[family]))
+    full = CausalSelfAttention(tiny(**FAMILIES[family]))
+    d = 8
+    assert grouped.qkv.weight.shape == ((4 + 2 * 2) * d, 32)
+    wq, wk, wv = grouped.qkv.weight.split([4 * d, 2 * d, 2 * d])
+    expand = lambda w: w.view(2, d, 32).repeat_interleave(2, dim=0).reshape(4 * d, 32)  # noqa: E731
+    with torch.no_grad():
+        full.qkv.weight.copy_(torch.cat([wq, expand(wk), expand(wv)]))
+        full.proj.weight.copy_(grouped.proj.weight)
+    x = torch.randn(2, 16, 32)
+    cos, sin = rope_tables(16, d, 10000.0)
+    torch.testing.assert_close(grouped(x, cos, sin), full(x, cos, sin), rtol=1e-5, atol=1e-6)
+
+
+def test_attention_flops():
+    cfg = tiny(seq_len=1024)
+    assert attention_flops_per_token(cfg) == 2 * 4 * 6 * 8 * 1024  # L·H·6·D·T: causal quadratic
+    # fastmax past the feature count F = 1 + 8 + 36 runs (and is counted in) its linear form
+    fast = tiny(seq_len=1024, attention="fastmax")
+    assert attention_flops_per_token(fast) == 2 * 4 * 12 * 45 * 9
+    assert attention_flops_per_token(tiny(seq_len=40, attention="fastmax")) == 2 * 4 * 6 * 8 * 40
+    model = GPT(cfg)
+    assert model.flops_per_token() == 6 * model.num_params() + attention_flops_per_token(cfg)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"n_embd": 30}, "n_embd"),
+    ({"n_embd": 36}, "n_embd"),  # head dim 9: RoPE needs pairs
+    ({"n_kv_head": 3}, "n_kv_head"),
+    ({"attention": "foo"}, "attention"),
+    ({"dropout": 1.0}, "dropout"),
+    ({"n_layer": 0}, "n_layer"),
+    ({"attention": "softmax", "use_cuda_kernel": True}, "use_cuda_kernel"),
+    ({"attention": "fastmax", "fastmax_a0": 0.0}, "fastmax_"),
+    ({"attention": "fastmax", "fastmax_temperature": -1.0}, "fastmax_"),
+    ({"cosine_scale": 0.0}, "cosine_scale"),
+])
+def test_bad_config_names_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        tiny(**overrides)
+
+
+def test_sequence_longer_than_seq_len_is_refused():
+    model = GPT(tiny())
+    with pytest.raises(ValueError, match="seq_len"):
+        model(torch.zeros(1, 17, dtype=torch.long))

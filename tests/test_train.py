@@ -1,0 +1,264 @@
+import html
+import json
+import math
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from wandb.proto import wandb_internal_pb2
+
+import train
+
+REPO = Path(__file__).resolve().parents[1]
+ENWIK8_4MB = REPO.parent / "shared" / "data" / "enwik8-first4mb"
+TINY = ["--config", str(REPO / "configs" / "tiny_cpu"), "--n_layer", "1", "--n_head", "2", "--n_embd", "32",
+        "--seq_len", "32", "--batch_size", "4", "--warmup_iters", "2", "--lr", "3e-3", "--dropout", "0.1",
+        "--eval_interval", "10", "--eval_max_windows", "4", "--final_eval_max_windows", "8",
+        "--sample_tokens", "8", "--ckpt_interval", "10", "--device", "cpu", "--wandb-mode", "offline"]
+STEP_KEYS = {"train/loss", "train/bpc", "lr", "grad_norm", "perf/tokens_per_s", "perf/step_ms", "perf/peak_mem_gib"}
+EVAL_KEYS = {"val/loss", "val/bpc", "val/sample", "val/bpc_by_position"}
+
+
+@pytest.fixture
+def data_path(tmp_path_factory) -> str:
+    if ENWIK8_4MB.is_file():
+        return str(ENWIK8_4MB)
+    path = tmp_path_factory.mktemp("data") / "synthetic"
+    path.write_bytes(b"".join(b"<page><title>Item %d</title><text>The value is %d.</text></page>\n" % (i, i * i % 97)
+                              for i in range(4000)))
+    return str(path)
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch, data_path):
+    """main() in-process, writing under tmp_path, with wandb offline and isolated there."""
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+    def go(*args: str) -> int:
+        return train.main([*TINY, "--data-path", data_path, "--out_dir", str(tmp_path / "out"), *args])
+
+    go.out = tmp_path / "out"
+    go.wandb_dir = tmp_path / "wandb"
+    return go
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def read_wandb_log(path: Path) -> list:
+    """Records of a .wandb transaction log: a 7-byte header, then leveldb-log records (crc32, length,
+    type) of serialized wandb Record protos in 32 KiB blocks, long records split FIRST/MIDDLE/LAST."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    records, payload, pos, block = [], b"", 7, 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:  # zero fill after the last record
+            break
+        payload += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(payload)
+            records.append(record)
+            payload = b""
+    return records
+
+
+def wandb_history(run_dir: Path) -> list[dict]:
+    """The logged rows of an offline run; a media value (table, html) is the dict describing its file."""
+    (log,) = run_dir.glob("run-*.wandb")
+    rows = []
+    for record in read_wandb_log(log):
+        if record.WhichOneof("record_type") == "history":
+            row = {}
+            for item in record.history.item:
+                key, *sub = [item.key] if item.key else list(item.nested_key)
+                value = json.loads(item.value_json)
+                if sub:
+                    row.setdefault(key, {})[sub[0]] = value
+                else:
+                    row[key] = value
+            rows.append(row)
+    return rows
+
+
+def test_training_learns_and_logs_to_jsonl_and_wandb(run):
+    assert run("--max_iters", "30", "--run_name", "r") == 0
+    run_dir = run.out / "r"
+    assert json.loads((run_dir / "config.json").read_text())["n_layer"] == 1
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    steps = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 31))
+    for r in steps:
+        assert STEP_KEYS <= r.keys()
+        assert r["train/bpc"] == pytest.approx(r["train/loss"] / math.log(2))
+    assert "perf/mfu" not in steps[0]  # no peak FLOP/s known for a CPU
+    first = sum(r["train/loss"] for r in steps[:5]) / 5
+    last = sum(r["train/loss"] for r in steps[-5:]) / 5
+    assert last < first - 0.5, (first, last)
+
+    evals = [r for r in rows if "val/bpc" in r]
+    assert [r["step"] for r in evals] == [10, 20, 30]
+    for r in evals:
+        assert EVAL_KEYS <= r.keys()
+        positions = [p for p, _ in r["val/bpc_by_position"]]
+        assert positions == [1, 2, 4, 8, 16, 32]
+        assert all(math.isfinite(b) for _, b in r["val/bpc_by_position"])
+        assert len(r["val/sample"]) > 0
+    (test_row,) = [r for r in rows if "test/bpc" in r]
+    assert test_row["step"] == 30
+
+    (wandb_run,) = run.wandb_dir.glob("offline-run-*")
+    history = wandb_history(wandb_run)
+    assert [h["train/loss"] for h in history if "train/loss" in h] == [r["train/loss"] for r in steps]
+    assert STEP_KEYS | {"val/loss", "val/bpc", "test/bpc"} <= set().union(*history)
+    wandb_evals = [h for h in history if "val/bpc" in h]
+    assert [h["val/bpc"] for h in wandb_evals] == [r["val/bpc"] for r in evals]
+    last = wandb_evals[-1]
+    table = json.loads((wandb_run / "files" / last["val/bpc_by_position_table"]["path"]).read_text())
+    assert table["columns"] == ["position", "bpc"] and table["data"] == evals[-1]["val/bpc_by_position"]
+    sample_html = (wandb_run / "files" / last["val/sample"]["path"]).read_text()
+    assert html.escape(evals[-1]["val/sample"]) in sample_html
+    assert [f.name for f in run_dir.iterdir() if f.name.endswith(".tmp")] == []
+
+
+def test_resume_reproduces_the_uninterrupted_run_bit_exactly(run):
+    assert run("--max_iters", "10", "--lr_decay_iters", "10", "--run_name", "straight") == 0
+    assert run("--max_iters", "5", "--lr_decay_iters", "10", "--run_name", "split") == 0
+    assert torch.load(run.out / "split" / "ckpt.pt", weights_only=False)["step"] == 5
+    with open(run.out / "split" / "metrics.jsonl", "a") as f:  # as if it had crashed at step 6, after the checkpoint
+        f.write(json.dumps({"step": 6, "train/loss": 0.0, "grad_norm": 0.0}) + "\n" + '{"step": 7, "tra')
+    assert run("--max_iters", "10", "--lr_decay_iters", "10", "--run_name", "split", "--resume", "auto") == 0
+
+    def losses(name):
+        return [(r["step"], r["train/loss"], r["grad_norm"])
+                for r in read_jsonl(run.out / name / "metrics.jsonl") if "train/loss" in r]
+
+    straight, split = losses("straight"), losses("split")
+    assert [s for s, *_ in split] == list(range(1, 11))  # the rows past the checkpoint were dropped
+    assert split == straight  # exact float equality, steps 6-10 included
+
+
+def test_existing_checkpoint_needs_resume_and_the_same_config(run, capsys):
+    assert run("--max_iters", "2", "--run_name", "r") == 0
+    with pytest.raises(SystemExit) as exc:
+        run("--max_iters", "2", "--run_name", "r")
+    assert exc.value.code == 2 and "--resume auto" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        run("--max_iters", "4", "--run_name", "r", "--resume", "auto", "--n_embd", "64")
+    assert exc.value.code == 2 and "n_embd" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        run("--run_name", "other", "--resume", str(run.out / "missing.pt"))
+    assert exc.value.code == 2 and "missing.pt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--n_layer", "abc"], "--n-layer: invalid int value: 'abc'"),
+    (["--attention", "foo"], "attention: expected one of"),
+    (["--lr=-1"], "lr: expected > 0"),
+    (["--min_lr", "1.0"], "min_lr"),
+    (["--bogus", "3"], "unrecognized arguments: --bogus"),
+    (["--use-cuda-kernel", "maybe"], "--use-cuda-kernel: invalid bool value"),
+    (["--use-cuda-kernel"], "use_cuda_kernel: our CUDA kernels cannot run this config: training runs on cpu"),
+    (["--attention", "softmax", "--use-cuda-kernel"], "use_cuda_kernel: softmax"),
+    (["--data-path", "/nonexistent/enwik8"], "/nonexistent/enwik8 does not exist"),
+    (["--config", "configs/nope"], "no config file at configs/nope or configs/nope.py"),
+])
+def test_bad_input_is_a_usage_error_naming_the_problem(run, capsys, args, expected):
+    with pytest.raises(SystemExit) as exc:
+        run(*args)
+    assert exc.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("n_layerz = 2", "unknown config field 'n_layerz' (did you mean 'n_layer'?)"),
+    ("n_layer = 'two'", "n_layer: expected int, got 'two'"),
+    ("use_cuda_kernel = 1", "use_cuda_kernel: expected bool, got 1"),
+    ("n_layer = 2 * 3", "n_layer: expected a literal value"),
+    ("import os", "expected a `name = literal` line"),
+    ("n_layer =", "not a `name = literal` line"),
+])
+def test_bad_config_file_names_the_line_and_field(tmp_path, capsys, line, expected):
+    config = tmp_path / "bad.py"
+    config.write_text(f"# a comment\nn_embd = 64\n{line}\n")
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(["--config", str(config)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{config}:3" in err and expected in err
+
+
+def test_config_file_then_overrides():
+    cfg, resume = train.parse_args(["--config", str(REPO / "configs" / "tiny_cpu.py"), "--n-layer=3",
+                                    "--fastmax_normalize", "--cosine_scale", "8", "--n_kv_head", "none"])
+    assert (cfg.n_layer, cfg.fastmax_normalize, cfg.cosine_scale, cfg.n_kv_head) == (3, True, 8.0, cfg.n_head)
+    assert cfg.run_name == f"tiny_cpu_{cfg.attention}" and resume is None
+    assert train.parse_args([])[0].seq_len == 8192  # configs/base is the default
+
+
+def test_lr_schedule():
+    cfg = train.TrainConfig(lr=1.0, min_lr=0.1, warmup_iters=10, max_iters=110)
+    lrs = [train.lr_at(s, cfg) for s in range(120)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[60] == pytest.approx(0.55)  # halfway through the cosine
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert lrs[110:] == [0.1] * 10
+
+
+def test_bpc_by_position_buckets():
+    loss_sum = torch.full((10,), 2 * math.log(2), dtype=torch.float64)  # 2 bits at every position...
+    loss_sum[0] = 0.0  # ...but the first
+    count = torch.ones(10, dtype=torch.float64)
+    assert train.bpc_by_position(loss_sum, count) == [(1, 0.0), (2, 2.0), (4, 2.0), (8, 2.0), (10, 2.0)]
+    count[4:8] = 0  # positions 5-8 never scored: no bucket for them
+    assert [p for p, _ in train.bpc_by_position(loss_sum, count)] == [1, 2, 4, 10]
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.pt"
+    train.save_checkpoint({"step": 1}, path)
+    train.save_checkpoint({"step": 2}, path)
+    assert torch.load(path)["step"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+    def crash_midway(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(train.torch, "save", crash_midway)
+    with pytest.raises(OSError, match="disk full"):
+        train.save_checkpoint({"step": 3}, path)
+    assert torch.load(path)["step"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_130(tmp_path, data_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *TINY, "--data-path", data_path,
+                             "--out_dir", str(out), "--run_name", "r", "--max_iters", "100000",
+                             "--eval_interval", "100000", "--wandb-mode", "disabled"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = out / "r" / "metrics.jsonl"
+    deadline = time.monotonic() + 60
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output
+    assert "stopped by SIGTERM" in output
+    last_step = read_jsonl(metrics)[-1]["step"]
+    assert torch.load(out / "r" / "ckpt.pt", weights_only=False)["step"] == last_step

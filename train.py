@@ -1,0 +1,615 @@
+"""Train the byte-level GPT on enwik8.
+
+    python train.py --config configs/tiny_cpu --data-path ../shared/data/enwik8-first4mb   # CPU, minutes
+    python train.py --seq-len 8192 --use-cuda-kernel                                       # configs/base on a GPU
+
+Every field of TrainConfig can be set in the config file (``name = literal`` lines) and overridden on
+the command line as ``--name value``, ``--name=value`` or ``--name-with-dashes value``; boolean flags
+alone mean true (``--compile``), or take true/false. A run writes out/<run_name>/: config.json,
+metrics.jsonl (one JSON object per step and per evaluation) and ckpt.pt.
+
+``--resume auto`` continues from out/<run_name>/ckpt.pt when there is one (else starts fresh);
+``--resume PATH`` from that checkpoint. A resumed run reproduces the uninterrupted one exactly (bit for
+bit on CPU). SIGINT or SIGTERM finishes the current step, saves a checkpoint and exits with code 130;
+a second SIGINT interrupts at once. Exit code 0: training finished; 2: bad command line or config.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import dataclasses
+import difflib
+import html
+import json
+import math
+import os
+import random
+import re
+import resource
+import signal
+import sys
+import tempfile
+import time
+import typing
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import wandb
+from tqdm import tqdm
+
+from attention_cuda import cuda_unavailable_reason
+from data import DataError, RandomWindowSampler, eval_windows, load_enwik8
+from model import GPT, GPTConfig
+from model.attention import attention_fn
+
+DEFAULT_CONFIG = str(Path(__file__).resolve().parent / "configs" / "base")
+DTYPES = ("auto", "bfloat16", "float32")
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+EXIT_STOPPED = 130  # stopped early by SIGINT/SIGTERM, after saving a checkpoint
+SAMPLE_PROMPT_BYTES = 64
+# Datasheet dense bf16 peak of the H100/H200 SXM (989 TFLOP/s), the usual denominator for MFU so that
+# numbers compare across reports; other devices need --peak_tflops.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
+
+
+@dataclass
+class TrainConfig(GPTConfig):
+    """Everything a run depends on: the model (GPTConfig's fields) and how it is trained and logged."""
+
+    data_path: str | None = None  # a local enwik8 copy (raw, .zip or .gz); None downloads the verified one
+    batch_size: int = 8  # sequences per micro-step
+    grad_accum_steps: int = 1  # micro-steps per optimizer step
+    max_iters: int = 10000  # optimizer steps
+    lr_decay_iters: int | None = None  # where the cosine reaches min_lr; None = max_iters
+    warmup_iters: int = 500
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    weight_decay: float = 0.1  # on matrices only (embedding and linear weights), not on norm gains
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
+    seed: int = 1337
+    eval_interval: int = 500  # steps between evaluations on val
+    eval_max_windows: int | None = 64  # windows per periodic eval (None = the whole split)
+    final_eval_max_windows: int | None = None  # windows per split at the end (None = the whole split)
+    sample_tokens: int = 256  # bytes generated at each evaluation
+    ckpt_interval: int = 1000  # steps between checkpoints (one is always saved at the end)
+    device: str = "auto"  # auto = cuda if available, else cpu
+    dtype: str = "auto"  # auto = bfloat16 autocast on CUDA, float32 on CPU
+    compile: bool = False  # torch.compile the training forward/backward
+    peak_tflops: float | None = None  # device peak for perf/mfu; None = datasheet bf16 value for H100/H200
+    out_dir: str = "out"
+    run_name: str | None = None  # None = <config name>_<attention>; also the wandb run name
+    wandb_mode: str = "auto"  # auto = online when logged in to wandb, else offline (`wandb sync` later)
+    wandb_project: str = "enwik8-attention"
+    wandb_group: str | None = None
+    wandb_tags: str = ""  # comma-separated
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("batch_size", "grad_accum_steps", "max_iters", "eval_interval", "ckpt_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive int, got {getattr(self, name)}")
+        for name in ("warmup_iters", "sample_tokens", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected a non-negative int, got {getattr(self, name)}")
+        for name in ("eval_max_windows", "final_eval_max_windows"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected None or a positive int, got {getattr(self, name)}")
+        if self.lr_decay_iters is None:
+            self.lr_decay_iters = self.max_iters
+        if self.lr_decay_iters < self.warmup_iters:
+            raise ValueError(f"lr_decay_iters: expected >= warmup_iters={self.warmup_iters}, got {self.lr_decay_iters} "
+                             "(it defaults to max_iters: lower warmup_iters for a short run)")
+        if not self.lr > 0:
+            raise ValueError(f"lr: expected > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr: expected in [0, lr={self.lr}], got {self.min_lr}")
+        for name in ("weight_decay", "grad_clip"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected in [0, 1), got {getattr(self, name)}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {DTYPES}, got {self.dtype!r}")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ValueError(f"peak_tflops: expected None or > 0, got {self.peak_tflops}")
+        if self.wandb_mode not in WANDB_MODES:
+            raise ValueError(f"wandb_mode: expected one of {WANDB_MODES}, got {self.wandb_mode!r}")
+        if self.run_name is not None and not re.fullmatch(r"[\w.+-]+", self.run_name):
+            raise ValueError(f"run_name: expected letters, digits and . _ + - (it names a directory), "
+                             f"got {self.run_name!r}")
+
+    def model_config(self) -> GPTConfig:
+        return GPTConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GPTConfig)})
+
+
+# Fields a resumed run may change: they steer logging, evaluation and where things run, not the
+# trajectory of the weights. Any other difference from the checkpoint's config is refused.
+RESUME_MAY_CHANGE = {"data_path", "max_iters", "eval_interval", "eval_max_windows", "final_eval_max_windows",
+                     "sample_tokens", "ckpt_interval", "device", "compile", "peak_tflops", "use_cuda_kernel",
+                     "out_dir", "run_name", "wandb_mode", "wandb_project", "wandb_group", "wandb_tags"}
+
+
+# ----------------------------------------------------------------------------- configuration
+
+def _field_types() -> dict[str, tuple[type, bool]]:
+    """{field: (type, accepts None)} from TrainConfig's annotations."""
+    types = {}
+    for name, hint in typing.get_type_hints(TrainConfig).items():
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        types[name] = (args[0], True) if args else (hint, False)
+    return types
+
+
+FIELD_TYPES = _field_types()
+
+
+def _type_name(name: str) -> str:
+    base, optional = FIELD_TYPES[name]
+    return base.__name__ + (" or None" if optional else "")
+
+
+def _check_type(name: str, value):
+    """value as the field's type (an int is a fine float), or ValueError naming the field."""
+    base, optional = FIELD_TYPES[name]
+    if value is None and optional:
+        return None
+    if base is float and type(value) is int:
+        return float(value)
+    if type(value) is not base:
+        raise ValueError(f"{name}: expected {_type_name(name)}, got {value!r}")
+    return value
+
+
+def _cli_parser_for(name: str):
+    """argparse `type` for a field; its __name__ is what argparse prints in 'invalid <name> value'."""
+    base, optional = FIELD_TYPES[name]
+
+    def parse(text: str):
+        if optional and text.lower() == "none":
+            return None
+        if base is bool:
+            if text.lower() in ("true", "1", "yes"):
+                return True
+            if text.lower() in ("false", "0", "no"):
+                return False
+            raise ValueError(text)
+        return base(text)
+
+    parse.__name__ = _type_name(name)
+    return parse
+
+
+def _unknown_field(name: str) -> str:
+    close = difflib.get_close_matches(name, FIELD_TYPES, n=1)
+    return f"unknown config field {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+
+
+def read_config_file(path: str) -> dict:
+    """The ``name = literal`` assignments of a config file, type-checked against TrainConfig.
+
+    Values are read with ast.literal_eval, so a config file can hold comments but never runs code.
+    """
+    candidates = [Path(path), Path(path + ".py")]
+    found = next((p for p in candidates if p.is_file()), None)
+    if found is None:
+        raise ValueError(f"--config: no config file at {' or '.join(map(str, candidates))}")
+    values = {}
+    try:
+        tree = ast.parse(found.read_text(), filename=str(found))
+    except SyntaxError as err:
+        raise ValueError(f"{found}:{err.lineno}: not a `name = literal` line: {err.msg}") from None
+    for node in tree.body:
+        where = f"{found}:{node.lineno}"
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            raise ValueError(f"{where}: expected a `name = literal` line")
+        name = node.targets[0].id
+        if name not in FIELD_TYPES:
+            raise ValueError(f"{where}: {_unknown_field(name)}")
+        try:
+            value = ast.literal_eval(node.value)
+        except ValueError:
+            raise ValueError(f"{where}: {name}: expected a literal value, got `{ast.unparse(node.value)}`") from None
+        try:
+            values[name] = _check_type(name, value)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="train.py", description="Train the byte-level GPT on enwik8. Every field "
+                                     "of TrainConfig is an option; the config file sets it unless given here.",
+                                     usage="train.py [--config NAME] [--resume PATH|auto] [--FIELD VALUE ...]",
+                                     allow_abbrev=False)
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="config file, .py optional (default configs/base)")
+    parser.add_argument("--resume", default=None, metavar="PATH|auto",
+                        help="checkpoint to continue from; auto = out/<run_name>/ckpt.pt if it exists")
+    defaults = TrainConfig()
+    for f in dataclasses.fields(TrainConfig):
+        flags = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
+        if f.name == "run_name":
+            flags.append("--wandb-run-name")
+        bool_flag = FIELD_TYPES[f.name][0] is bool
+        parser.add_argument(*flags, dest=f.name, type=_cli_parser_for(f.name), default=argparse.SUPPRESS,
+                            nargs="?" if bool_flag else None, const=True if bool_flag else None,
+                            metavar=_type_name(f.name).upper().replace(" ", "_"),
+                            help=f"(dataclass default {getattr(defaults, f.name)!r})")
+    return parser
+
+
+def usage_error(message: str) -> typing.NoReturn:
+    print(f"train.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, str | None]:
+    """(config, resume) from config file + command line, or exit 2 with a message naming the problem."""
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    config_path, resume = args.pop("config"), args.pop("resume")
+    try:
+        values = read_config_file(config_path) | args
+        if values.get("run_name") is None:
+            values["run_name"] = f"{Path(config_path).stem}_{values.get('attention', GPTConfig.attention)}"
+        cfg = TrainConfig(**values)
+    except ValueError as err:
+        parser.error(str(err))
+    return cfg, resume
+
+
+# ----------------------------------------------------------------------------- pieces of the loop
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for 0-based step: linear warmup, then cosine decay to min_lr at lr_decay_iters."""
+    if step < cfg.warmup_iters:
+        return cfg.lr * (step + 1) / cfg.warmup_iters
+    if step >= cfg.lr_decay_iters:
+        return cfg.min_lr
+    progress = (step - cfg.warmup_iters) / (cfg.lr_decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def make_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+
+
+def save_checkpoint(state: dict, path: Path) -> None:
+    """Write state to path atomically: a crash mid-write leaves the previous checkpoint intact.
+
+    The temp file lives in the same directory so os.replace is a rename on one filesystem; fsync
+    before the rename (and of the directory after it) so the new name never points at unwritten data.
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def rng_states() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def bpc_by_position(loss_sum: torch.Tensor, count: torch.Tensor) -> list[tuple[int, float]]:
+    """[(p, bpc)] over buckets of 1-based position in the window, each up to p: 1, 2, 3-4, 5-8, ...,
+    the last ending at seq_len. A position is how many bytes of context the prediction had."""
+    curve, lo, hi = [], 0, 1
+    while lo < len(loss_sum):
+        hi = min(hi, len(loss_sum))
+        n = count[lo:hi].sum().item()
+        if n:
+            curve.append((hi, loss_sum[lo:hi].sum().item() / n / math.log(2)))
+        lo, hi = hi, 2 * hi
+    return curve
+
+
+@torch.no_grad()
+def evaluate(model: GPT, split: np.ndarray, cfg: TrainConfig, device, autocast, max_windows):
+    """(mean loss in nats, bpc-by-position curve) over eval_windows of one split."""
+    model.eval()
+    loss_sum = torch.zeros(cfg.seq_len, dtype=torch.float64, device=device)
+    count = torch.zeros(cfg.seq_len, dtype=torch.float64, device=device)
+    for x, y, keep in eval_windows(split, cfg.seq_len, cfg.batch_size, max_windows):
+        x, y, keep = x.to(device), y.to(device), keep.to(device)
+        with autocast:
+            _, loss = model(x, y, reduction="none")
+        loss_sum += (loss.double() * keep).sum(0)
+        count += keep.sum(0)
+    model.train()
+    loss_sum, count = loss_sum.cpu(), count.cpu()
+    return (loss_sum.sum() / count.sum()).item(), bpc_by_position(loss_sum, count)
+
+
+@torch.no_grad()
+def sample_text(model: GPT, prompt: bytes, n_bytes: int, device, autocast, seed: int) -> str:
+    """The prompt and n_bytes sampled after it, drawn from a generator of its own (not the training RNG)."""
+    model.eval()
+    generator = torch.Generator(device=device).manual_seed(seed)
+    idx = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+    with autocast:
+        out = model.generate(idx, n_bytes, generator=generator)
+    model.train()
+    return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+
+
+def cuda_kernel_problem(cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why attention_cuda's kernels cannot run cfg's attention here, or None.
+
+    The kernels cover some head dims, dtypes and forms only; one call on the run's shapes (batch 1)
+    finds out at startup rather than at the first training step.
+    """
+    if device.type != "cuda":
+        return f"training runs on {device}, the kernels need a CUDA device"
+    reason = cuda_unavailable_reason()
+    if reason is None:
+        q = torch.zeros(1, cfg.n_head, cfg.seq_len, cfg.head_dim, device=device, dtype=dtype)
+        kv = q[:, :cfg.n_kv_head]
+        try:
+            attention_fn(cfg)(q, kv, kv)
+        except (ValueError, NotImplementedError) as err:
+            reason = str(err)
+    return reason
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """CUDA: peak memory allocated by tensors. CPU: the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def peak_flops(cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> float | None:
+    if cfg.peak_tflops is not None:
+        return cfg.peak_tflops * 1e12
+    if device.type == "cuda" and dtype == torch.bfloat16:
+        name = torch.cuda.get_device_name(device)
+        return next((peak for gpu, peak in PEAK_BF16_FLOPS.items() if gpu in name), None)
+    return None
+
+
+def resolve_wandb_mode(cfg: TrainConfig) -> str:
+    if cfg.wandb_mode != "auto":
+        return cfg.wandb_mode
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    return "online" if wandb.login(prompt=False, verify=False) else "offline"
+
+
+class RunLog:
+    """Rank 0's record of a run: metrics.jsonl in the run directory, and the same values in wandb."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path, run_id: str | None, start_step: int):
+        path = run_dir / "metrics.jsonl"
+        # Rows past the checkpoint we resume from belong to a timeline that is being replaced (and a
+        # line without its newline was cut short by a crash).
+        kept = [line for line in path.read_text().splitlines(keepends=True)
+                if line.endswith("\n") and json.loads(line)["step"] <= start_step] if path.exists() else []
+        path.write_text("".join(kept))
+        self.jsonl = open(path, "a")
+        self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.run_name, group=cfg.wandb_group,
+                                tags=[t for t in cfg.wandb_tags.split(",") if t], config=asdict(cfg),
+                                mode=resolve_wandb_mode(cfg), id=run_id, resume="allow" if run_id else None)
+
+    def log(self, step: int, metrics: dict, wandb_extra: dict | None = None) -> None:
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.flush()
+        self.wandb.log({**metrics, **(wandb_extra or {})}, step=step)
+
+    def log_eval(self, step: int, split: str, loss: float, curve, sample: str | None = None) -> None:
+        metrics = {f"{split}/loss": loss, f"{split}/bpc": loss / math.log(2), f"{split}/bpc_by_position": curve}
+        table = wandb.Table(columns=["position", "bpc"], data=[list(point) for point in curve])
+        extra = {f"{split}/bpc_by_position": wandb.plot.line(table, "position", "bpc",
+                                                            title=f"{split} bpc by position, step {step}")}
+        if sample is not None:
+            metrics[f"{split}/sample"] = sample
+            extra[f"{split}/sample"] = wandb.Html(f"<pre>{html.escape(sample)}</pre>")
+        self.log(step, metrics, extra)
+
+    def close(self, exit_code: int) -> None:
+        self.jsonl.close()
+        self.wandb.finish(exit_code=exit_code)
+
+
+class StopOnSignal:
+    """SIGINT/SIGTERM ask the loop to stop after the current step; a second SIGINT interrupts at once."""
+
+    def __enter__(self):
+        self.signum = None
+        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+# ----------------------------------------------------------------------------- main
+
+def setup_device(cfg: TrainConfig) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            usage_error(f"device: {cfg.device!r} asked for, but PyTorch sees no CUDA device")
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True  # the few fp32 matmuls outside autocast
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+             "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
+    if cfg.use_cuda_kernel:
+        reason = cuda_kernel_problem(cfg, device, dtype)
+        if reason:
+            usage_error(f"use_cuda_kernel: our CUDA kernels cannot run this config: {reason}")
+    return device, dtype
+
+
+def checkpoint_to_resume(cfg: TrainConfig, resume: str | None, ckpt_path: Path) -> dict | None:
+    """The checkpoint --resume names (None for a fresh run), refusing one whose run cfg would change."""
+    if resume == "auto":
+        resume = str(ckpt_path) if ckpt_path.exists() else None
+    elif resume is None and ckpt_path.exists():
+        usage_error(f"{ckpt_path} exists: pass --resume auto to continue that run, "
+                    "or --run_name NAME to start another")
+    if resume is None:
+        return None
+    if not Path(resume).is_file():
+        usage_error(f"--resume: no checkpoint at {resume}")
+    ckpt = torch.load(resume, map_location="cpu", weights_only=False)
+    changed = sorted(k for k, v in ckpt["config"].items()
+                     if k not in RESUME_MAY_CHANGE and getattr(cfg, k, None) != v)
+    if changed:
+        k = changed[0]
+        usage_error(f"--resume: the config differs from the checkpoint's in {', '.join(changed)} (e.g. {k}: "
+                    f"checkpoint {ckpt['config'][k]!r}, now {getattr(cfg, k, None)!r}); "
+                    "resuming must not change the model or the optimisation")
+    return ckpt
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, resume = parse_args(argv)
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world_size > 1:
+        usage_error(f"WORLD_SIZE={world_size}: multi-process (DDP) training is not implemented yet; run one process")
+    device, dtype = setup_device(cfg)
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+    run_dir = Path(cfg.out_dir) / cfg.run_name
+    ckpt_path = run_dir / "ckpt.pt"
+    ckpt = checkpoint_to_resume(cfg, resume, ckpt_path)
+
+    try:
+        splits = load_enwik8(cfg.data_path, log=print if rank == 0 else lambda *_: None)
+    except DataError as err:
+        usage_error(str(err))
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    sampler = RandomWindowSampler(splits["train"], cfg.batch_size, cfg.seq_len, cfg.seed, rank, world_size)
+    model = GPT(cfg.model_config()).to(device)
+    optimizer = make_optimizer(model, cfg, device)
+    start_step, run_id = 0, None
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        sampler.load_state_dict(ckpt["sampler"])
+        set_rng_states(ckpt["rng"])
+        start_step, run_id = ckpt["step"], ckpt["wandb_run_id"]
+    train_model = torch.compile(model) if cfg.compile else model
+
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * world_size
+    flops_per_token = model.flops_per_token()
+    peak = peak_flops(cfg, device, dtype)
+    run_log = None
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+        run_log = RunLog(cfg, run_dir, run_id, start_step)
+        run_id = run_log.wandb.id
+        print(f"{cfg.run_name}: {model.num_params() / 1e6:.2f}M params, {cfg.attention} attention"
+              f"{' (CUDA kernel)' if cfg.use_cuda_kernel else ''}, {tokens_per_step:,} tokens/step, "
+              f"{flops_per_token / 1e6:.1f} MFLOP/token, {device} {dtype}, writing to {run_dir}"
+              + (f", resuming at step {start_step}" if ckpt is not None else ""))
+        if peak is None:
+            print(f"perf/mfu not logged: no peak FLOP/s known for {device} {dtype}; pass --peak_tflops to set it")
+    prompt = bytes(splits["val"][:SAMPLE_PROMPT_BYTES])
+
+    def checkpoint(step: int) -> None:
+        if rank == 0:
+            save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                             "config": asdict(cfg), "rng": rng_states(), "sampler": sampler.state_dict(),
+                             "wandb_run_id": run_id}, ckpt_path)
+
+    def log_eval(step: int, split: str, max_windows: int | None, with_sample: bool) -> None:
+        loss, curve = evaluate(model, splits[split], cfg, device, autocast, max_windows)
+        sample = (sample_text(model, prompt, cfg.sample_tokens, device, autocast, cfg.seed + step)
+                  if with_sample else None)
+        if rank == 0:
+            run_log.log_eval(step, split, loss, curve, sample)
+            tqdm.write(f"step {step}: {split} bpc {loss / math.log(2):.4f}"
+                       + (f"\n--- sample ---\n{sample}\n--------------" if sample else ""))
+
+    step, exit_code = start_step, 0
+    bar = tqdm(total=cfg.max_iters, initial=start_step, disable=rank != 0, dynamic_ncols=True)
+    with StopOnSignal() as stop:
+        while step < cfg.max_iters and stop.signum is None:
+            t0 = time.perf_counter()
+            lr = lr_at(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), device=device)
+            for _ in range(cfg.grad_accum_steps):
+                x, y = sampler.next_batch()
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                with autocast:
+                    _, loss = train_model(x, y)
+                (loss / cfg.grad_accum_steps).backward()
+                loss_sum += loss.detach()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            train_loss = loss_sum.item() / cfg.grad_accum_steps  # .item() waits for the GPU: the step is done
+            dt = time.perf_counter() - t0
+            step += 1
+            bar.update()
+            if rank == 0:
+                metrics = {"train/loss": train_loss, "train/bpc": train_loss / math.log(2), "lr": lr,
+                           "grad_norm": grad_norm.item(), "perf/tokens_per_s": tokens_per_step / dt,
+                           "perf/step_ms": 1000 * dt, "perf/peak_mem_gib": peak_memory_gib(device)}
+                if peak is not None:
+                    metrics["perf/mfu"] = flops_per_token * tokens_per_step / dt / peak
+                run_log.log(step, metrics)
+                bar.set_postfix(bpc=f"{metrics['train/bpc']:.3f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}")
+            if step < cfg.max_iters and stop.signum is None:  # else the checkpoint below is this step's
+                if step % cfg.eval_interval == 0:
+                    log_eval(step, "val", cfg.eval_max_windows, with_sample=True)
+                if step % cfg.ckpt_interval == 0:
+                    checkpoint(step)
+        bar.close()
+        if stop.signum is None:
+            log_eval(step, "val", cfg.final_eval_max_windows, with_sample=True)
+            log_eval(step, "test", cfg.final_eval_max_windows, with_sample=False)
+        checkpoint(step)
+        if stop.signum is not None:
+            exit_code = EXIT_STOPPED
+            print(f"stopped by {signal.Signals(stop.signum).name} after step {step}; checkpoint in {ckpt_path}, "
+                  "continue with --resume auto")
+    if run_log is not None:
+        run_log.close(exit_code)
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
