@@ -35,7 +35,7 @@ class GPTConfig:
     fastmax_a0: float = 1.0
     fastmax_a1: float = 1.0
     fastmax_a2: float = 0.5
-    fastmax_temperature: float = 1.0
+    fastmax_temperature: float | None = None  # None = sqrt(head_dim), the usual 1/sqrt(d) logit scale
     fastmax_normalize: bool = False
     fastmax_lim: float = 1.0
     rope_base: float = 10000.0
@@ -62,6 +62,8 @@ class GPTConfig:
             raise ValueError(f"cosine_scale: expected > 0, got {self.cosine_scale}")
         if not self.rope_base > 1:
             raise ValueError(f"rope_base: expected > 1, got {self.rope_base}")
+        if self.fastmax_temperature is None:
+            self.fastmax_temperature = math.sqrt(self.head_dim)
         if self.attention == "fastmax":
             try:
                 check_poly_coefficients(self.fastmax_p, self.fastmax_a0, self.fastmax_a1, self.fastmax_a2,
