@@ -1,0 +1,257 @@
+// Torch ops over the kernels: attn_cuda::fwd, attn_cuda::bwd and attn_cuda::head_dims.
+// They run on the current stream, never synchronise the host, and check their inputs with TORCH_CHECK
+// (the Python layer validates first and raises ValueError/NotImplementedError with argument names).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <map>
+#include <tuple>
+#include <utility>
+
+#include "params.h"
+
+namespace attn {
+namespace {
+std::map<std::pair<int, int>, std::pair<FwdFn, BwdFn>>& registry() {
+  static std::map<std::pair<int, int>, std::pair<FwdFn, BwdFn>> r;
+  return r;
+}
+}  // namespace
+
+bool register_kernels(Dtype dtype, int head_dim, FwdFn fwd, BwdFn bwd) {
+  registry()[{static_cast<int>(dtype), head_dim}] = {fwd, bwd};
+  return true;
+}
+
+bool find_kernels(Dtype dtype, int head_dim, FwdFn* fwd, BwdFn* bwd) {
+  auto it = registry().find({static_cast<int>(dtype), head_dim});
+  if (it == registry().end()) return false;
+  *fwd = it->second.first;
+  *bwd = it->second.second;
+  return true;
+}
+
+std::vector<int64_t> compiled_head_dims(Dtype dtype) {
+  std::vector<int64_t> dims;
+  for (const auto& kv : registry())
+    if (kv.first.first == static_cast<int>(dtype)) dims.push_back(kv.first.second);
+  return dims;
+}
+
+}  // namespace attn
+
+namespace {
+
+using at::Tensor;
+using c10::optional;
+
+bool kernel_dtype(at::ScalarType t, attn::Dtype* out) {
+  switch (t) {
+    case at::kHalf: *out = attn::Dtype::kF16; return true;
+    case at::kBFloat16: *out = attn::Dtype::kBF16; return true;
+    case at::kFloat: *out = attn::Dtype::kF32; return true;
+    default: return false;
+  }
+}
+
+void check_ok(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "attn_cuda: ", what, " failed: ", cudaGetErrorString(err));
+}
+
+// The kernels read rows with 16-byte cp.async: the head dim must be contiguous and every row start
+// 16-byte aligned. Anything else is copied once (never needlessly).
+Tensor rows_aligned(const Tensor& t) {
+  const int64_t es = t.element_size();
+  bool ok = t.stride(-1) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int64_t d = 0; d + 1 < t.dim() && ok; ++d) ok = t.size(d) == 1 || (t.stride(d) * es) % 16 == 0;
+  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+struct Call {
+  Tensor q, k, v, mask, bias;
+  int B, H, Hkv, I, J, D;
+  attn::Dtype dtype;
+  attn::FwdFn fwd;
+  attn::BwdFn bwd;
+};
+
+Call check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const optional<Tensor>& mask,
+                  const optional<Tensor>& bias) {
+  TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "attn_cuda: q, k, v must be CUDA tensors");
+  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), "attn_cuda: q, k, v must share a device");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attn_cuda: expected q (B,H,I,D), k and v (B,Hkv,J,D)");
+  TORCH_CHECK(k.sizes() == v.sizes(), "attn_cuda: k and v must have the same shape");
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(3), "attn_cuda: k does not match q's batch or head dim");
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "attn_cuda: kv heads must divide query heads");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "attn_cuda: q, k, v must share a dtype");
+  Call c;
+  TORCH_CHECK(kernel_dtype(q.scalar_type(), &c.dtype), "attn_cuda: dtype ", q.scalar_type(),
+              " not supported (float16, bfloat16, float32)");
+  c.B = q.size(0), c.H = q.size(1), c.I = q.size(2), c.D = q.size(3), c.Hkv = k.size(1), c.J = k.size(2);
+  TORCH_CHECK(attn::find_kernels(c.dtype, c.D, &c.fwd, &c.bwd), "attn_cuda: head dim ", c.D,
+              " is not compiled for ", q.scalar_type());
+  c.q = rows_aligned(q), c.k = rows_aligned(k), c.v = rows_aligned(v);
+  if (mask) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 2 && mask->size(0) == c.B && mask->size(1) == c.J,
+                "attn_cuda: mask must be bool (B, J)");
+    TORCH_CHECK(mask->device() == q.device(), "attn_cuda: mask must be on q's device");
+    c.mask = mask->stride(1) == 1 ? *mask : mask->contiguous();
+  }
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == q.scalar_type(), "attn_cuda: bias must have q's dtype");
+    TORCH_CHECK(bias->dim() == 4 && bias->size(0) == c.B && bias->size(1) == c.H && bias->size(2) == c.I &&
+                    bias->size(3) == c.J,
+                "attn_cuda: bias must be (B, H, I, J) (an expanded view is fine)");
+    TORCH_CHECK(bias->device() == q.device(), "attn_cuda: bias must be on q's device");
+    c.bias = *bias;
+  }
+  return c;
+}
+
+struct Policy {
+  attn::Score score;
+  float alpha, beta, shift, grad_scale;
+};
+
+// Logit y = alpha (q.k) rq rk + beta bias, in log2 units for the exp family. Weights A = exp2(y - shift)
+// need no running max when every y lies within `bound` of zero and the smallest weight stays a normal
+// number of the type P is rounded to for P V: unit-norm q and k without bias give |x| <= |scale| n^2.
+// fp16 weights are shifted up by 2^15 so that [2^-2bound, 1] lands in fp16's normal range.
+Policy make_policy(c10::string_view kind, double scale, optional<double> qk_norm, bool normalize, bool has_bias,
+                   at::ScalarType dtype) {
+  const double n2 = qk_norm ? *qk_norm * *qk_norm : 1.0, c = scale * n2;
+  Policy pol;
+  if (kind == "poly") {
+    pol.score = attn::Score::kPoly, pol.alpha = c, pol.beta = 1.f, pol.shift = 0.f, pol.grad_scale = 1.f;
+    return pol;
+  }
+  TORCH_CHECK(kind == "cosine" || kind == "exp", "attn_cuda: unknown score kind '", std::string(kind), "'");
+  constexpr double kLog2e = 1.4426950408889634;
+  pol.alpha = c * kLog2e, pol.beta = kLog2e, pol.grad_scale = 1.0 / kLog2e;
+  if (!normalize) {  // weights are taken literally: cosine exp(x - scale), exp exp(x)
+    pol.score = attn::Score::kExpFixed, pol.shift = kind == "cosine" ? scale * kLog2e : 0.0;
+    return pol;
+  }
+  const double bound = std::abs(c) * kLog2e;
+  const bool fp16 = dtype == at::kHalf;
+  if (qk_norm && !has_bias && 2 * bound <= (fp16 ? 29.0 : 100.0)) {
+    pol.score = attn::Score::kExpFixed, pol.shift = fp16 ? bound - 15.0 : bound;
+  } else {
+    pol.score = attn::Score::kExpRowMax, pol.shift = 0.f;
+  }
+  return pol;
+}
+
+attn::Params make_params(const Call& c, const Policy& pol, bool causal, bool normalize, double a0, double a1,
+                         double a2) {
+  attn::Params p{};
+  p.B = c.B, p.H = c.H, p.Hkv = c.Hkv, p.I = c.I, p.J = c.J, p.group = c.H / c.Hkv;
+  p.q = c.q.data_ptr(), p.k = c.k.data_ptr(), p.v = c.v.data_ptr();
+  p.q_sb = c.q.stride(0), p.q_sh = c.q.stride(1), p.q_si = c.q.stride(2);
+  p.k_sb = c.k.stride(0), p.k_sh = c.k.stride(1), p.k_sj = c.k.stride(2);
+  p.v_sb = c.v.stride(0), p.v_sh = c.v.stride(1), p.v_sj = c.v.stride(2);
+  if (c.mask.defined()) p.mask = reinterpret_cast<const uint8_t*>(c.mask.data_ptr<bool>()), p.mask_sb = c.mask.stride(0);
+  if (c.bias.defined()) {
+    p.bias = c.bias.data_ptr();
+    p.bias_sb = c.bias.stride(0), p.bias_sh = c.bias.stride(1), p.bias_si = c.bias.stride(2), p.bias_sj = c.bias.stride(3);
+  }
+  p.i_pad = attn::pad4(c.I), p.j_pad = attn::pad4(c.J);
+  p.causal = causal, p.normalize = normalize;
+  p.alpha = pol.alpha, p.beta = pol.beta, p.shift = pol.shift, p.grad_scale = pol.grad_scale;
+  p.a0 = a0, p.a1 = a1, p.a2 = a2;
+  return p;
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> attn_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                    const optional<Tensor>& mask, const optional<Tensor>& bias,
+                                                    bool causal, c10::string_view kind, double scale,
+                                                    optional<double> qk_norm, double a0, double a1, double a2,
+                                                    bool normalize) {
+  const Call c = check_inputs(q, k, v, mask, bias);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const Policy pol = make_policy(kind, scale, qk_norm, normalize, bias.has_value(), q.scalar_type());
+  attn::Params p = make_params(c, pol, causal, normalize, a0, a1, a2);
+  const auto f32 = q.options().dtype(at::kFloat);
+  Tensor out = at::empty({c.B, c.H, c.I, c.D}, q.options());
+  Tensor stat = at::empty({c.B, c.H, p.i_pad}, f32);
+  Tensor rq = at::empty({0}, f32), rk = at::empty({0}, f32);  // stay empty without qk norm
+  if (qk_norm) {
+    rq = at::empty({c.B, c.H, p.i_pad}, f32), rk = at::empty({c.B, c.Hkv, p.j_pad}, f32);
+    check_ok(attn::run_row_rnorm(c.dtype, p.q, p.q_sb, p.q_sh, p.q_si, c.B, c.H, c.I, c.D, p.i_pad,
+                                 rq.data_ptr<float>(), stream), "q norms");
+    check_ok(attn::run_row_rnorm(c.dtype, p.k, p.k_sb, p.k_sh, p.k_sj, c.B, c.Hkv, c.J, c.D, p.j_pad,
+                                 rk.data_ptr<float>(), stream), "k norms");
+    p.rq = rq.data_ptr<float>(), p.rk = rk.data_ptr<float>();
+  }
+  p.o = out.data_ptr(), p.stat = stat.data_ptr<float>();
+  check_ok(c.fwd(p, pol.score, stream), "forward kernel");
+  return {out, stat, rq, rk};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> attn_bwd(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                                    const Tensor& v, const optional<Tensor>& mask,
+                                                    const optional<Tensor>& bias, const Tensor& out,
+                                                    const Tensor& stat, const Tensor& rq, const Tensor& rk,
+                                                    bool causal, c10::string_view kind, double scale,
+                                                    optional<double> qk_norm, double a0, double a1, double a2,
+                                                    bool normalize, bool bias_grad) {
+  const Call c = check_inputs(q, k, v, mask, bias);
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "attn_cuda: dout and out must have q's shape");
+  TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "attn_cuda: dout and out must have q's dtype");
+  TORCH_CHECK(stat.scalar_type() == at::kFloat && stat.numel() == int64_t{c.B} * c.H * attn::pad4(c.I),
+              "attn_cuda: stat does not come from attn_cuda::fwd on these inputs");
+  TORCH_CHECK(!qk_norm || (rq.numel() == int64_t{c.B} * c.H * attn::pad4(c.I) &&
+                           rk.numel() == int64_t{c.B} * c.Hkv * attn::pad4(c.J)),
+              "attn_cuda: rq/rk do not come from attn_cuda::fwd on these inputs");
+  TORCH_CHECK(!bias_grad || bias, "attn_cuda: bias_grad needs a bias");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const Policy pol = make_policy(kind, scale, qk_norm, normalize, bias.has_value(), q.scalar_type());
+  attn::Params p = make_params(c, pol, causal, normalize, a0, a1, a2);
+  const Tensor dout_c = dout.contiguous(), out_c = out.contiguous(), stat_c = stat.contiguous();
+  const auto f32 = q.options().dtype(at::kFloat);
+  Tensor delta = at::empty({c.B, c.H, p.i_pad}, f32);
+  Tensor dq_accum = at::zeros({c.B, c.H, c.I, c.D}, f32);
+  Tensor dq = at::empty({c.B, c.H, c.I, c.D}, q.options());
+  Tensor dk = at::empty({c.B, c.Hkv, c.J, c.D}, q.options());
+  Tensor dv = at::empty({c.B, c.Hkv, c.J, c.D}, q.options());
+  Tensor dbias = bias_grad ? at::zeros({c.B, c.H, c.I, c.J}, q.options()) : at::empty({0}, q.options());
+  if (qk_norm) p.rq = rq.data_ptr<float>(), p.rk = rk.data_ptr<float>();
+  p.o = out_c.data_ptr(), p.stat = stat_c.data_ptr<float>();
+  p.dout = dout_c.data_ptr(), p.delta = delta.data_ptr<float>(), p.dq_accum = dq_accum.data_ptr<float>();
+  p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
+  p.dbias = bias_grad ? dbias.data_ptr() : nullptr;
+  check_ok(attn::run_delta(c.dtype, p, c.D, stream), "delta");
+  check_ok(c.bwd(p, pol.score, stream), "backward kernel");
+  check_ok(attn::run_dq_finalize(c.dtype, p, c.D, stream), "dq epilogue");
+  return {dq, dk, dv, dbias};
+}
+
+std::vector<int64_t> head_dims(at::ScalarType dtype) {
+  attn::Dtype d;
+  return kernel_dtype(dtype, &d) ? attn::compiled_head_dims(d) : std::vector<int64_t>{};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(attn_cuda, m) {
+  m.def(
+      "fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, bool causal, str kind, float scale, "
+      "float? qk_norm, float a0, float a1, float a2, bool normalize) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor out, Tensor stat, "
+      "Tensor rq, Tensor rk, bool causal, str kind, float scale, float? qk_norm, float a0, float a1, float a2, "
+      "bool normalize, bool bias_grad) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("head_dims(ScalarType dtype) -> int[]", &head_dims);
+}
+
+TORCH_LIBRARY_IMPL(attn_cuda, CUDA, m) {
+  m.impl("fwd", &attn_fwd);
+  m.impl("bwd", &attn_bwd);
+}

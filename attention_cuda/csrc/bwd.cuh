@@ -1,0 +1,354 @@
+// Backward: one block per (batch, kv head, tile of keys); it walks every query tile of every query
+// head of its group, so dK and dV are summed in registers and written once.
+//
+// Each warp owns 16 keys and computes the transposed scores S^T = K Q^T and dP^T = V dO^T: with keys
+// as rows, P^T and dS^T come out in the accumulator layout that feeds dV += P^T dO and dK += dS^T Q
+// directly, with no shared-memory round trip. Only dQ = dS K needs dS with queries as rows: it goes
+// through shared memory once, and each step's dQ is added to an fp32 buffer with vector atomics
+// (dq_finalize applies the l2norm backward and converts). No N x N buffer exists anywhere.
+// One barrier per step: the next Q/dO tile loads while this one is used, and the dQ product of a step
+// runs during the next one, from a second dS buffer.
+#pragma once
+#include "score.cuh"
+
+namespace attn {
+
+template <class T, int D>
+struct BwdConfig {
+  static constexpr int kWarps = 8, kCols = 128;  // keys per block, 16 per warp
+  static constexpr int kRows = 64;                // queries per step
+  static constexpr bool kKVInRegs = D <= 64;      // larger head dims re-read K/V fragments each step
+};
+template <int D>
+struct BwdConfig<float, D> {
+  static constexpr int kWarps = 4, kCols = 64, kRows = D <= 64 ? 32 : 16;
+  static constexpr bool kKVInRegs = D <= 64;
+};
+
+template <class T, int D>
+struct BwdSmem {  // K | V | 2 x Q | 2 x dO | 2 x dS^T | 2 x (stat, delta, 1/|q|) vectors
+  using C = BwdConfig<T, D>;
+  static constexpr int kPitch = D * sizeof(T) + 16, kSPitch = C::kRows * sizeof(T) + 16;
+  static constexpr int kK = 0, kV = C::kCols * kPitch, kQ = kV + C::kCols * kPitch;
+  static constexpr int kDO = kQ + 2 * C::kRows * kPitch, kDS = kDO + 2 * C::kRows * kPitch;
+  static constexpr int kVec = kDS + 2 * C::kCols * kSPitch, kBytes = kVec + 2 * 3 * C::kRows * 4;
+};
+
+template <class T, int D, class Policy>
+__global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(const Params p) {
+  using C = BwdConfig<T, D>;
+  using S = BwdSmem<T, D>;
+  using M = Mma<T>;
+  constexpr int kThreads = C::kWarps * 32, kBc = C::kCols, kBr = C::kRows;
+  constexpr int kKD = D / 16, kNQ = kBr / 8, kND = D / 8, kRowBytes = D * sizeof(T);
+  static_assert(kBc == 16 * C::kWarps, "one m16 tile of keys per warp");
+  extern __shared__ __align__(16) char smem[];
+  const uint32_t s0 = smem_u32(smem);
+  const Tile sK{s0 + S::kK, S::kPitch}, sV{s0 + S::kV, S::kPitch};
+  const float* s_vec = reinterpret_cast<const float*>(smem + S::kVec);
+
+  // Key blocks run first-to-last across all heads: under causal the first ones see the most queries.
+  const int bhk_count = p.B * p.Hkv;
+  const int bhk = blockIdx.x % bhk_count, n0 = blockIdx.x / bhk_count * kBc;
+  const int b = bhk / p.Hkv, hk = bhk % p.Hkv;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const int wkey = warp * 16;
+
+  const T* k = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh;
+  const uint8_t* mask = p.mask ? p.mask + b * p.mask_sb : nullptr;
+
+  // Query tiles that see a key of this block: under causal, query t sees key n0 once t >= n0 - (J - I).
+  const int n_mtiles = cdiv(p.I, kBr);
+  const int m_first = p.causal ? min(n_mtiles, max(0, n0 - (p.J - p.I)) / kBr) : 0;
+  const int steps = p.group * (n_mtiles - m_first);
+  // Steps walk (query head of the group, query tile), tile-minor; positions advance without division.
+  struct Pos {
+    int h, m0;
+  };
+  auto advance = [&](Pos s) {
+    s.m0 += kBr;
+    if (s.m0 >= p.I) s.m0 = m_first * kBr, ++s.h;
+    return s;
+  };
+
+  auto load_q = [&](Pos at, int stage) {
+    const T* q = static_cast<const T*>(p.q) + b * p.q_sb + at.h * p.q_sh;
+    const T* dout = static_cast<const T*>(p.dout) + static_cast<int64_t>(b * p.H + at.h) * p.I * D;
+    cp_tile<kBr, kRowBytes, kThreads>(Tile{s0 + S::kQ + stage * kBr * S::kPitch, S::kPitch},
+                                      reinterpret_cast<const char*>(q + at.m0 * p.q_si), p.q_si * sizeof(T),
+                                      p.I - at.m0, q);
+    cp_tile<kBr, kRowBytes, kThreads>(Tile{s0 + S::kDO + stage * kBr * S::kPitch, S::kPitch},
+                                      reinterpret_cast<const char*>(dout + at.m0 * D), kRowBytes, p.I - at.m0, dout);
+    const int64_t vec = static_cast<int64_t>(b * p.H + at.h) * p.i_pad + at.m0;
+    const uint32_t sv = s0 + S::kVec + stage * 3 * kBr * 4;
+    cp_floats<kBr>(sv, p.stat + vec, p.i_pad - at.m0);
+    cp_floats<kBr>(sv + kBr * 4, p.delta + vec, p.i_pad - at.m0);
+    if (p.rq) cp_floats<kBr>(sv + 2 * kBr * 4, p.rq + vec, p.i_pad - at.m0);
+  };
+
+  cp_tile<kBc, kRowBytes, kThreads>(sK, reinterpret_cast<const char*>(k + n0 * p.k_sj), p.k_sj * sizeof(T),
+                                    p.J - n0, k);
+  cp_tile<kBc, kRowBytes, kThreads>(sV, reinterpret_cast<const char*>(v + n0 * p.v_sj), p.v_sj * sizeof(T),
+                                    p.J - n0, v);
+  Pos cur{hk * p.group, m_first * kBr}, prev = cur;
+  if (steps > 0) load_q(cur, 0);
+  cp_async_commit();
+
+  // This thread's keys n0 + wkey + g + 8*half: 1/|k| (and alpha/|k|), whether the key is kept at all,
+  // and the first query that may see it under causal.
+  float rkr[2], ark[2];
+  bool kept[2];
+  int first_q[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int s = n0 + wkey + g + 8 * hf;
+    rkr[hf] = p.rk && s < p.J ? p.rk[static_cast<int64_t>(b * p.Hkv + hk) * p.j_pad + s] : 1.f;
+    ark[hf] = p.alpha * rkr[hf];
+    kept[hf] = s < p.J && (mask == nullptr || mask[s]);
+    first_q[hf] = p.causal ? s - (p.J - p.I) : 0;
+  }
+
+  cp_async_wait<0>();
+  __syncthreads();
+  uint32_t kf[C::kKVInRegs ? kKD : 1][M::kA], vf[C::kKVInRegs ? kKD : 1][M::kA];
+  if constexpr (C::kKVInRegs) {
+#pragma unroll
+    for (int kk = 0; kk < kKD; ++kk) {
+      M::lda(kf[kk], sK, wkey, kk * 16);
+      M::lda(vf[kk], sV, wkey, kk * 16);
+    }
+  }
+
+  // dQ += dS~ K for one step's queries, from the dS~ buffer it wrote: warps split the queries into
+  // 16-row groups x column groups, and add their part to the fp32 buffer.
+  auto dq_step = [&](Pos at, int stage) {
+    constexpr int kQRG = kBr / 16, kQCG = C::kWarps / kQRG, kDC = D / kQCG, kNDC = kDC / 8;
+    static_assert(kQRG * kQCG == C::kWarps && kDC % 8 == 0, "dQ warp split");
+    const Tile sDS{s0 + S::kDS + stage * kBc * S::kSPitch, S::kSPitch};
+    const int rg = warp % kQRG, c0 = warp / kQRG * kDC;
+    float dqa[kNDC][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < kBc / 16; ++kk) {
+      uint32_t a[M::kA];
+      M::lda_t(a, sDS, kk * 16, rg * 16);
+#pragma unroll
+      for (int nd = 0; nd < kNDC; nd += 2) {
+        uint32_t b0[M::kB], b1[M::kB];
+        if (nd + 1 < kNDC) {
+          M::ldb2_t(b0, b1, sK, kk * 16, c0 + nd * 8);
+          M::mma(dqa[nd], a, b0);
+          M::mma(dqa[nd + 1], a, b1);
+        } else {
+          M::ldb1_t(b0, sK, kk * 16, c0 + nd * 8);
+          M::mma(dqa[nd], a, b0);
+        }
+      }
+    }
+    float* dq = p.dq_accum + static_cast<int64_t>(b * p.H + at.h) * p.I * D;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int t = at.m0 + rg * 16 + g + 8 * hf;
+      if (t < p.I) {
+#pragma unroll
+        for (int nd = 0; nd < kNDC; ++nd)
+          red_add2(dq + static_cast<int64_t>(t) * D + c0 + nd * 8 + 2 * tq, dqa[nd][2 * hf], dqa[nd][2 * hf + 1]);
+      }
+    }
+  };
+
+  const Policy pol(p);
+  float dk[kND][4] = {}, dv[kND][4] = {};
+  for (int step = 0; step < steps; ++step) {
+    // This step's Q/dO tile has landed for every thread, every warp is done with step-1 (so the dS~
+    // buffer of step-1 is complete and the other Q/dO stage is free for step+1).
+    cp_async_wait<0>();
+    __syncthreads();
+    const int stage = step & 1, h = cur.h, m0 = cur.m0;
+    if (step + 1 < steps) load_q(advance(cur), stage ^ 1);
+    cp_async_commit();
+    const Tile sQ{s0 + S::kQ + stage * kBr * S::kPitch, S::kPitch};
+    const Tile sDO{s0 + S::kDO + stage * kBr * S::kPitch, S::kPitch};
+    const float* v_stat = s_vec + stage * 3 * kBr;
+    const float* v_delta = v_stat + kBr;
+    const float* v_rq = v_delta + kBr;
+    if (step > 0) dq_step(prev, stage ^ 1);
+
+    // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x kBr queries.
+    float sc[kNQ][4] = {}, dp[kNQ][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < kKD; ++kk) {
+      uint32_t ka[M::kA], va[M::kA];
+      const uint32_t *kp, *vp;
+      if constexpr (C::kKVInRegs) {
+        kp = kf[kk], vp = vf[kk];
+      } else {
+        M::lda(ka, sK, wkey, kk * 16);
+        M::lda(va, sV, wkey, kk * 16);
+        kp = ka, vp = va;
+      }
+#pragma unroll
+      for (int nq = 0; nq < kNQ; nq += 2) {
+        uint32_t b0[M::kB], b1[M::kB];
+        M::ldb2(b0, b1, sQ, nq * 8, kk * 16);
+        M::mma(sc[nq], kp, b0);
+        M::mma(sc[nq + 1], kp, b1);
+        M::ldb2(b0, b1, sDO, nq * 8, kk * 16);
+        M::mma(dp[nq], vp, b0);
+        M::mma(dp[nq + 1], vp, b1);
+      }
+    }
+
+    // Logits y with hidden pairs at -inf (the forward's visibility rules), then P and dL/dx per
+    // element. dS~ = dL/dx * dy/d(q.k) = dL/dx * alpha rq rk flows into dK and dQ.
+    auto alpha_rqk = [&](int nq, int e) {  // alpha rq rk of element (nq, e)
+      const float2 rq2 = p.rq ? *reinterpret_cast<const float2*>(v_rq + nq * 8 + 2 * tq) : make_float2(1.f, 1.f);
+      return ((e & 1) ? rq2.y : rq2.x) * ark[e >> 1];
+    };
+    // Kept in registers where they fit; large head dims recompute them below.
+    constexpr bool kKeepRa = D <= 64;
+    float ra[kKeepRa ? kNQ : 1][4];
+#pragma unroll
+    for (int nq = 0; nq < kNQ; ++nq)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float r = alpha_rqk(nq, e);
+        if constexpr (kKeepRa) ra[nq][e] = r;
+        sc[nq][e] *= r;
+      }
+    if (n0 + kBc > p.J || m0 + kBr > p.I || mask != nullptr || (p.causal && n0 + kBc - 1 > m0 + p.J - p.I)) {
+#pragma unroll
+      for (int nq = 0; nq < kNQ; ++nq)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = m0 + nq * 8 + 2 * tq + (e & 1);
+          if (!kept[e >> 1] || t < first_q[e >> 1] || t >= p.I) sc[nq][e] = -INFINITY;
+        }
+    }
+    const T* bias = p.bias ? static_cast<const T*>(p.bias) + b * p.bias_sb + h * p.bias_sh : nullptr;
+    if (bias) {
+#pragma unroll
+      for (int nq = 0; nq < kNQ; ++nq)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (sc[nq][e] != -INFINITY)
+            sc[nq][e] = fmaf(p.beta, bias_at(p, bias, m0 + nq * 8 + 2 * tq + (e & 1), n0 + wkey + g + 8 * (e >> 1)),
+                             sc[nq][e]);
+    }
+    T* dbias = p.dbias ? static_cast<T*>(p.dbias) + static_cast<int64_t>(b * p.H + h) * p.I * p.J : nullptr;
+#pragma unroll
+    for (int nq = 0; nq < kNQ; ++nq) {
+      const float2 stat2 = *reinterpret_cast<const float2*>(v_stat + nq * 8 + 2 * tq);
+      const float2 delta2 = *reinterpret_cast<const float2*>(v_delta + nq * 8 + 2 * tq);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float y = sc[nq][e], stat = (e & 1) ? stat2.y : stat2.x, delta = (e & 1) ? delta2.y : delta2.x;
+        float P, ds;
+        if constexpr (Policy::kRowMax) {
+          P = ex2(y - stat);
+        } else {
+          P = round_for_mma<T>(pol.weight(y)) * stat;
+        }
+        ds = pol.dlogit(P, y, dp[nq][e] - delta, stat);
+        if constexpr (!Policy::kExp) {  // exp2 gives 0 at -inf by itself; the polynomial does not
+          if (y == -INFINITY) P = 0.f, ds = 0.f;
+        }
+        if (dbias) {
+          const int t = m0 + nq * 8 + 2 * tq + (e & 1), s = n0 + wkey + g + 8 * (e >> 1);
+          if (t < p.I && s < p.J) dbias[static_cast<int64_t>(t) * p.J + s] = Elem<T>::from_float(ds);
+        }
+        sc[nq][e] = P;
+        if constexpr (kKeepRa) dp[nq][e] = ds * ra[nq][e];
+        else dp[nq][e] = ds * alpha_rqk(nq, e);
+      }
+    }
+
+    // dV += P^T dO and dK += dS~^T Q, 16 queries per k-step.
+#pragma unroll
+    for (int kq = 0; kq < kNQ / 2; ++kq) {
+      uint32_t pa[M::kA], da[M::kA];
+      M::c_to_a(pa, sc[2 * kq], sc[2 * kq + 1]);
+      M::c_to_a(da, dp[2 * kq], dp[2 * kq + 1]);
+#pragma unroll
+      for (int nd = 0; nd < kND; nd += 2) {
+        uint32_t b0[M::kB], b1[M::kB];
+        M::ldb2_t(b0, b1, sDO, kq * 16, nd * 8);
+        M::mma(dv[nd], pa, b0);
+        M::mma(dv[nd + 1], pa, b1);
+        M::ldb2_t(b0, b1, sQ, kq * 16, nd * 8);
+        M::mma(dk[nd], da, b0);
+        M::mma(dk[nd + 1], da, b1);
+      }
+    }
+    // dS~^T to this step's buffer, for dQ during the next step.
+    const Tile sDS{s0 + S::kDS + stage * kBc * S::kSPitch, S::kSPitch};
+#pragma unroll
+    for (int nq = 0; nq < kNQ; ++nq)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+        sts_pair<T>(sDS.at(wkey + g + 8 * hf, (nq * 8 + 2 * tq) * sizeof(T)), dp[nq][2 * hf], dp[nq][2 * hf + 1]);
+    prev = cur;
+    cur = advance(cur);
+  }
+  if (steps > 0) {
+    __syncthreads();
+    dq_step(prev, (steps - 1) & 1);
+  }
+
+  // dK = c (W - rk^2 (k.W) k): the l2norm's backward, from the raw k rows still in shared memory.
+  // It drops out when |k| <= eps, where the normalisation divides by the constant eps.
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int r = wkey + g + 8 * hf;
+    if (p.rk) {
+      float2 kv[kND];
+      float dot = 0.f;
+#pragma unroll
+      for (int nd = 0; nd < kND; ++nd) {
+        kv[nd] = lds_pair<T>(sK.at(r, (nd * 8 + 2 * tq) * sizeof(T)));
+        dot += kv[nd].x * dk[nd][2 * hf] + kv[nd].y * dk[nd][2 * hf + 1];
+      }
+      dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+      dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+      const float proj = rkr[hf] < 1.f / kNormEps ? rkr[hf] * rkr[hf] * dot : 0.f;
+#pragma unroll
+      for (int nd = 0; nd < kND; ++nd) dk[nd][2 * hf] -= proj * kv[nd].x, dk[nd][2 * hf + 1] -= proj * kv[nd].y;
+    }
+    const int s = n0 + r;
+    if (s < p.J) {
+      T* dkp = static_cast<T*>(p.dk) + (static_cast<int64_t>(bhk) * p.J + s) * D;
+      T* dvp = static_cast<T*>(p.dv) + (static_cast<int64_t>(bhk) * p.J + s) * D;
+#pragma unroll
+      for (int nd = 0; nd < kND; ++nd) {
+        stg_pair(dkp + nd * 8 + 2 * tq, p.grad_scale * dk[nd][2 * hf], p.grad_scale * dk[nd][2 * hf + 1]);
+        stg_pair(dvp + nd * 8 + 2 * tq, dv[nd][2 * hf], dv[nd][2 * hf + 1]);
+      }
+    }
+  }
+}
+
+template <class T, int D, class Policy>
+cudaError_t launch_bwd(const Params& p, cudaStream_t stream) {
+  using C = BwdConfig<T, D>;
+  constexpr int kSmem = BwdSmem<T, D>::kBytes;
+  const int64_t blocks = static_cast<int64_t>(cdiv(p.J, C::kCols)) * p.B * p.Hkv;
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
+  auto kernel = bwd_kernel<T, D, Policy>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  kernel<<<static_cast<unsigned>(blocks), C::kWarps * 32, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <class T, int D>
+cudaError_t run_bwd(const Params& p, Score score, cudaStream_t stream) {
+  switch (score) {
+    case Score::kExpFixed: return launch_bwd<T, D, ExpScore<false>>(p, stream);
+    case Score::kExpRowMax: return launch_bwd<T, D, ExpScore<true>>(p, stream);
+    case Score::kPoly: return launch_bwd<T, D, PolyScore>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace attn

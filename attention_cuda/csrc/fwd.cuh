@@ -1,0 +1,317 @@
+// Forward: O_t = sum_s A_ts v_s / l_t, one block per (batch, head, tile of query rows).
+//
+// K/V tiles stream through three shared-memory stages with cp.async, two tiles ahead of the math, so
+// one barrier per tile suffices and warps drift apart (one's exps overlap another's MMAs). Each warp
+// owns 16*kMT query rows, keeps S = Q K^T for one key tile in registers, turns it into weights there
+// (the score policy) and feeds them straight back into the tensor cores as the A operand of P V.
+// With a fixed shift (bounded or unnormalised logits) there is no running max and no rescaling. The
+// row sums l come from the tensor cores too (P times a column of ones): they add up the weights as
+// rounded for P V, so every output row is exactly the convex combination of v that was computed.
+#pragma once
+#include "score.cuh"
+
+namespace attn {
+
+template <class T, int D>
+struct FwdConfig {
+  static constexpr int kWarps = 4, kRows = 128;         // 32 query rows per warp: K/V fragments serve 2 m-tiles
+  static constexpr int kCols = D <= 64 ? 64 : 32;       // keys per tile (bounded by S + O registers)
+  static constexpr bool kQInRegs = D <= 64;             // larger head dims re-read Q from shared memory
+};
+template <int D>
+struct FwdConfig<float, D> {  // TF32: twice the bytes per element, so smaller tiles
+  static constexpr int kWarps = 4, kRows = 64;
+  static constexpr int kCols = D <= 64 ? 64 : 32;
+  static constexpr bool kQInRegs = D <= 64;
+};
+
+template <class T, int D>
+struct FwdSmem {  // Q tile | kStages x (K tile, V tile, 1/|k| of the tile's keys)
+  using C = FwdConfig<T, D>;
+  static constexpr int kStages = 3, kPitch = D * sizeof(T) + 16;
+  static constexpr int kQ = 0, kK = C::kRows * kPitch, kV = kK + kStages * C::kCols * kPitch;
+  static constexpr int kRk = kV + kStages * C::kCols * kPitch, kBytes = kRk + kStages * C::kCols * 4;
+};
+
+template <class T, int D, class Policy>
+__global__ void __launch_bounds__(FwdConfig<T, D>::kWarps * 32) fwd_kernel(const Params p) {
+  using C = FwdConfig<T, D>;
+  using S = FwdSmem<T, D>;
+  using M = Mma<T>;
+  constexpr int kThreads = C::kWarps * 32, kBr = C::kRows, kBc = C::kCols;
+  constexpr int kMT = kBr / (16 * C::kWarps);
+  constexpr int kKD = D / 16, kNC = kBc / 8, kND = D / 8, kRowBytes = D * sizeof(T);
+  extern __shared__ __align__(16) char smem[];
+  const uint32_t s0 = smem_u32(smem);
+  const Tile sQ{s0 + S::kQ, S::kPitch};
+  const float* s_rk = reinterpret_cast<const float*>(smem + S::kRk);
+
+  // Row blocks run latest first across all heads: under causal they are the heaviest, so the grid's
+  // tail is made of short blocks.
+  const int bh_count = p.B * p.H;
+  const int bh = blockIdx.x % bh_count;
+  const int m0 = (cdiv(p.I, kBr) - 1 - blockIdx.x / bh_count) * kBr;
+  const int b = bh / p.H, h = bh % p.H, hk = h / p.group;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const int wrow = warp * 16 * kMT;
+
+  const T* q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh;
+  const T* bias = p.bias ? static_cast<const T*>(p.bias) + b * p.bias_sb + h * p.bias_sh : nullptr;
+  const uint8_t* mask = p.mask ? p.mask + b * p.mask_sb : nullptr;
+  const float* rk = p.rk ? p.rk + static_cast<int64_t>(b * p.Hkv + hk) * p.j_pad : nullptr;
+  const int64_t row_vec = static_cast<int64_t>(bh) * p.i_pad;
+
+  const int rows = min(kBr, p.I - m0);
+  const int n_end = p.causal ? min(p.J, m0 + rows + p.J - p.I) : p.J;  // keys the last row may see
+  const int n_tiles = n_end > 0 ? cdiv(n_end, kBc) : 0;
+
+  auto load_kv = [&](int tile) {
+    const int n0 = tile * kBc, stage = tile % S::kStages;
+    cp_tile<kBc, kRowBytes, kThreads>(Tile{s0 + S::kK + stage * kBc * S::kPitch, S::kPitch},
+                                      reinterpret_cast<const char*>(k + n0 * p.k_sj), p.k_sj * sizeof(T),
+                                      p.J - n0, k);
+    cp_tile<kBc, kRowBytes, kThreads>(Tile{s0 + S::kV + stage * kBc * S::kPitch, S::kPitch},
+                                      reinterpret_cast<const char*>(v + n0 * p.v_sj), p.v_sj * sizeof(T),
+                                      p.J - n0, v);
+    if (rk) cp_floats<kBc>(s0 + S::kRk + stage * kBc * 4, rk + n0, p.j_pad - n0);
+  };
+  cp_tile<kBr, kRowBytes, kThreads>(sQ, reinterpret_cast<const char*>(q + m0 * p.q_si), p.q_si * sizeof(T),
+                                    rows, q);
+  if (n_tiles > 0) load_kv(0);
+  cp_async_commit();
+  if (n_tiles > 1) load_kv(1);
+  cp_async_commit();
+
+  // alpha * 1/|q| for this thread's rows: wrow + mt*16 + g + 8*half
+  float rs[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int t = m0 + wrow + mt * 16 + g + 8 * hf;
+      rs[mt][hf] = p.alpha * (p.rq && t < p.I ? p.rq[row_vec + t] : 1.f);
+    }
+
+  // The last key each of this thread's rows may see (-1 for rows past the end).
+  int last[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) last[mt][hf] = last_key(p, m0 + wrow + mt * 16 + g + 8 * hf);
+
+  cp_async_wait<1>();
+  __syncthreads();
+  uint32_t qf[C::kQInRegs ? kMT : 1][C::kQInRegs ? kKD : 1][M::kA];
+  if constexpr (C::kQInRegs) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int kk = 0; kk < kKD; ++kk) M::lda(qf[mt][kk], sQ, wrow + mt * 16, kk * 16);
+  }
+
+  const Policy pol(p);
+  float o[kMT][kND][4] = {};
+  float l[kMT][4] = {};  // row sums (P * ones): rows g and g+8 in elements 0 and 2
+  uint32_t ones[M::kB];
+  M::ones_b(ones);
+  float mx[kMT][2];  // running row max (kRowMax only)
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) mx[mt][0] = mx[mt][1] = -INFINITY;
+
+  for (int j = 0; j < n_tiles; ++j) {
+    // Tile j has landed for every thread, and every warp is done with tile j-1, whose stage the
+    // load of tile j+2 reuses.
+    cp_async_wait<1>();
+    __syncthreads();
+    if (j + 2 < n_tiles) load_kv(j + 2);
+    cp_async_commit();
+    const int stage = j % S::kStages, n0 = j * kBc;
+    const Tile sK{s0 + S::kK + stage * kBc * S::kPitch, S::kPitch};
+    const Tile sV{s0 + S::kV + stage * kBc * S::kPitch, S::kPitch};
+
+    float s[kMT][kNC][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < kKD; ++kk) {
+      uint32_t qa[kMT][M::kA];
+      if constexpr (!C::kQInRegs) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) M::lda(qa[mt], sQ, wrow + mt * 16, kk * 16);
+      }
+#pragma unroll
+      for (int nc = 0; nc < kNC; nc += 2) {
+        uint32_t b0[M::kB], b1[M::kB];
+        M::ldb2(b0, b1, sK, nc * 8, kk * 16);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          const uint32_t* a;
+          if constexpr (C::kQInRegs) a = qf[mt][kk]; else a = qa[mt];
+          M::mma(s[mt][nc], a, b0);
+          M::mma(s[mt][nc + 1], a, b1);
+        }
+      }
+    }
+
+    // Logit scale alpha/(|q||k|) of each element, from this thread's rows and columns.
+    float2 kr[kNC];
+#pragma unroll
+    for (int nc = 0; nc < kNC; ++nc)
+      kr[nc] = rk ? *reinterpret_cast<const float2*>(s_rk + stage * kBc + nc * 8 + 2 * tq) : make_float2(1.f, 1.f);
+    auto scale_of = [&](int mt, int nc, int e) { return rs[mt][e >> 1] * ((e & 1) ? kr[nc].y : kr[nc].x); };
+
+    const bool edge = n0 + kBc > p.J || m0 + kBr > p.I || mask != nullptr ||
+                      (p.causal && n0 + kBc - 1 > m0 + p.J - p.I);
+    bool fused = false;
+    if constexpr (Policy::kExp && !Policy::kRowMax) {
+      if (!edge && !bias) {  // the common case, fused: A = exp2(s * scale - shift)
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int nc = 0; nc < kNC; ++nc)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mt][nc][e] = ex2(fmaf(s[mt][nc][e], scale_of(mt, nc, e), -pol.shift));
+        fused = true;
+      }
+    }
+    if (!fused) {
+      // Logits y, with hidden pairs set to -inf. Only tiles that cut a sequence end, the causal
+      // diagonal or a key mask test visibility per element; only bias loads the bias.
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nc = 0; nc < kNC; ++nc)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][nc][e] *= scale_of(mt, nc, e);
+      if (edge) {
+        const uint32_t cols = visible_cols<kNC>(p, mask, n0 + 2 * tq);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int nc = 0; nc < kNC; ++nc)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (!(cols >> (2 * nc + (e & 1)) & 1) || nc * 8 + 2 * tq + (e & 1) > last[mt][e >> 1] - n0)
+                s[mt][nc][e] = -INFINITY;
+      }
+      if (bias) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int nc = 0; nc < kNC; ++nc)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (s[mt][nc][e] != -INFINITY)
+                s[mt][nc][e] = fmaf(p.beta, bias_at(p, bias, m0 + wrow + mt * 16 + g + 8 * (e >> 1),
+                                                    n0 + nc * 8 + 2 * tq + (e & 1)), s[mt][nc][e]);
+      }
+      if constexpr (Policy::kRowMax) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            float m = -INFINITY;
+#pragma unroll
+            for (int nc = 0; nc < kNC; ++nc) m = fmaxf(m, fmaxf(s[mt][nc][2 * hf], s[mt][nc][2 * hf + 1]));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+            const float m_new = fmaxf(mx[mt][hf], m);
+            const float base = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet stays 0
+            const float corr = ex2(mx[mt][hf] - base);
+            mx[mt][hf] = m_new;
+            l[mt][2 * hf] *= corr;
+#pragma unroll
+            for (int nd = 0; nd < kND; ++nd) o[mt][nd][2 * hf] *= corr, o[mt][nd][2 * hf + 1] *= corr;
+#pragma unroll
+            for (int nc = 0; nc < kNC; ++nc)
+#pragma unroll
+              for (int c = 0; c < 2; ++c) s[mt][nc][2 * hf + c] = ex2(s[mt][nc][2 * hf + c] - base);
+          }
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int nc = 0; nc < kNC; ++nc)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float y = s[mt][nc][e];
+              s[mt][nc][e] = Policy::kExp || y != -INFINITY ? pol.weight(y) : 0.f;  // exp2(-inf) is 0 already
+            }
+      }
+    }
+
+    // O += P V and l += P 1, 16 keys (two accumulator tiles) per k-step.
+#pragma unroll
+    for (int kc = 0; kc < kNC / 2; ++kc) {
+      uint32_t pa[kMT][M::kA];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        M::c_to_a(pa[mt], s[mt][2 * kc], s[mt][2 * kc + 1]);
+        M::mma(l[mt], pa[mt], ones);
+      }
+#pragma unroll
+      for (int nd = 0; nd < kND; nd += 2) {
+        uint32_t b0[M::kB], b1[M::kB];
+        M::ldb2_t(b0, b1, sV, kc * 16, nd * 8);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          M::mma(o[mt][nd], pa[mt], b0);
+          M::mma(o[mt][nd + 1], pa[mt], b1);
+        }
+      }
+    }
+  }
+
+  // Epilogue: O / l through this warp's own rows of the Q tile (no other warp reads them), then
+  // 16-byte coalesced stores.
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const float lsum = l[mt][2 * hf];
+      const float inv = !p.normalize ? 1.f : (lsum > 0.f ? 1.f / lsum : 0.f);
+      const int r = wrow + mt * 16 + g + 8 * hf;
+#pragma unroll
+      for (int nd = 0; nd < kND; ++nd)
+        sts_pair<T>(sQ.at(r, (nd * 8 + 2 * tq) * sizeof(T)), o[mt][nd][2 * hf] * inv, o[mt][nd][2 * hf + 1] * inv);
+      if (tq == 0 && m0 + r < p.i_pad) {  // the pad rows too: the backward reads whole tiles of stat
+        float stat = inv;
+        if constexpr (Policy::kRowMax) stat = lsum > 0.f ? mx[mt][hf] + log2f(lsum) : INFINITY;
+        p.stat[row_vec + m0 + r] = stat;
+      }
+    }
+  __syncwarp();
+  T* out = static_cast<T*>(p.o) + (static_cast<int64_t>(bh) * p.I + m0) * D;
+  constexpr int kChunks = kRowBytes / 16;
+#pragma unroll
+  for (int c = lane; c < 16 * kMT * kChunks; c += 32) {
+    const int r = wrow + c / kChunks, x = c % kChunks;
+    if (m0 + r < p.I) *reinterpret_cast<uint4*>(reinterpret_cast<char*>(out + r * D) + x * 16) = lds128(sQ.at(r, x * 16));
+  }
+}
+
+template <class T, int D, class Policy>
+cudaError_t launch_fwd(const Params& p, cudaStream_t stream) {
+  using C = FwdConfig<T, D>;
+  constexpr int kSmem = FwdSmem<T, D>::kBytes;
+  const int64_t blocks = static_cast<int64_t>(cdiv(p.I, C::kRows)) * p.B * p.H;
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
+  auto kernel = fwd_kernel<T, D, Policy>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  kernel<<<static_cast<unsigned>(blocks), C::kWarps * 32, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <class T, int D>
+cudaError_t run_fwd(const Params& p, Score score, cudaStream_t stream) {
+  switch (score) {
+    case Score::kExpFixed: return launch_fwd<T, D, ExpScore<false>>(p, stream);
+    case Score::kExpRowMax: return launch_fwd<T, D, ExpScore<true>>(p, stream);
+    case Score::kPoly: return launch_fwd<T, D, PolyScore>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace attn

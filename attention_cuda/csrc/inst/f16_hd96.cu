@@ -1,0 +1,3 @@
+#include "../kernels.cuh"
+
+ATTN_REGISTER(__half, kF16, 96)

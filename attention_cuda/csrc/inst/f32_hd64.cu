@@ -1,0 +1,3 @@
+#include "../kernels.cuh"
+
+ATTN_REGISTER(float, kF32, 64)

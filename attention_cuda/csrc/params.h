@@ -1,0 +1,77 @@
+// What the host hands the kernels. Plain C++ (no torch headers), so the .cu files build without torch.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+namespace attn {
+
+enum class Dtype { kF16, kBF16, kF32 };
+
+// Score variants (score.cuh), chosen per call on the host.
+enum class Score {
+  kExpFixed,   // A = exp2(y - shift) with a fixed shift: bounded logits (unit q, k, no bias) or unnormalised
+  kExpRowMax,  // A = exp2(y - running row max): logits with no known bound (attn_bias, raw q/k)
+  kPoly,       // A = a0 + a1 x + a2 x^2
+};
+
+// Float row vectors over (batch, head, row) are stored with rows padded to a multiple of 4 so that every
+// tile of them starts 16-byte aligned for cp.async. The pad entries are written too (as for an empty
+// row), so the backward never reads an unwritten value.
+inline int pad4(int n) { return (n + 3) / 4 * 4; }
+
+constexpr float kNormEps = 1e-12f;  // same clamp as torch.nn.functional.normalize
+
+struct Params {
+  int B, H, Hkv, I, J;
+  int group;  // H / Hkv query heads per kv head
+
+  // q (B,H,I,D), k and v (B,Hkv,J,D): element strides of batch, head and row; the head dim is contiguous.
+  const void *q, *k, *v;
+  int64_t q_sb, q_sh, q_si, k_sb, k_sh, k_sj, v_sb, v_sh, v_sj;
+  const uint8_t* mask;  // (B, J) bool, True = keep; null for none
+  int64_t mask_sb;
+  const void* bias;  // (B,H,I,J) in q's dtype (any strides, 0 on broadcast dims); null for none
+  int64_t bias_sb, bias_sh, bias_si, bias_sj;
+  // 1 / max(|row|, eps) of q (B,H,i_pad) and k (B,Hkv,j_pad); null when q and k are used as given.
+  const float *rq, *rk;
+  int i_pad, j_pad;
+  bool causal;     // bottom-right aligned: query t sees keys s <= t + J - I
+  bool normalize;  // divide by l = sum_s A_ts
+
+  // Logit y = alpha * (q.k) * rq * rk + beta * bias (log2 domain for the exp family: alpha, beta
+  // carry log2(e)); exp family: A = exp2(y - shift); poly: A = a0 + a1 y + a2 y^2.
+  float alpha, beta, shift, a0, a1, a2;
+  // The backward's dS~ = dL/dx * d(y)/d(q.k) carries alpha; grad_scale = d(x)/d(q_n.k_n) / alpha turns
+  // it into natural units once, in the dq/dk epilogues.
+  float grad_scale;
+
+  void* o;      // (B,H,I,D) contiguous
+  float* stat;  // (B,H,i_pad): 1/l, or with a running max m: m + log2(l) (score.cuh)
+
+  const void* dout;   // (B,H,I,D) contiguous
+  float* delta;       // (B,H,i_pad): rowsum(dO * O) when normalising, else 0
+  float* dq_accum;    // (B,H,I,D) fp32, zero on entry: sum over key tiles of dS K
+  void *dq, *dk, *dv; // dq (B,H,I,D), dk and dv (B,Hkv,J,D), contiguous
+  void* dbias;        // (B,H,I,J) contiguous, zero on entry; null when no gradient is wanted
+};
+
+using FwdFn = cudaError_t (*)(const Params&, Score, cudaStream_t);
+using BwdFn = cudaError_t (*)(const Params&, Score, cudaStream_t);
+
+// Each compiled (dtype, head dim) registers its kernels at load time; builds may compile a subset.
+bool register_kernels(Dtype dtype, int head_dim, FwdFn fwd, BwdFn bwd);
+bool find_kernels(Dtype dtype, int head_dim, FwdFn* fwd, BwdFn* bwd);
+std::vector<int64_t> compiled_head_dims(Dtype dtype);
+
+// Row-wise helpers (aux.cu).
+// 1 / max(|x_row|, eps) for x (B,H,N,D) with element strides (sb, sh, si), into out (B,H,n_pad).
+cudaError_t run_row_rnorm(Dtype dtype, const void* x, int64_t sb, int64_t sh, int64_t si, int B, int H, int N,
+                          int D, int n_pad, float* out, cudaStream_t stream);
+// delta = rowsum(dO * O) (0 when not normalising), into p.delta.
+cudaError_t run_delta(Dtype dtype, const Params& p, int D, cudaStream_t stream);
+// dq = c (U - rq^2 (q.U) q) from U = p.dq_accum (or c U without qk norm), into p.dq.
+cudaError_t run_dq_finalize(Dtype dtype, const Params& p, int D, cudaStream_t stream);
+
+}  // namespace attn

@@ -1,0 +1,67 @@
+// Score policies (how a logit becomes a weight, and its derivative) and the per-element pieces that
+// the forward and backward kernels share: visibility and the additive bias.
+#pragma once
+#include "mma.cuh"
+#include "params.h"
+
+namespace attn {
+
+// Score policies. The forward computes weights A(y) of logits y and sums them as rounded for the
+// P V product into l; the backward recomputes P = A(y) / l from the saved per-row stat:
+//  - fixed-shift weights (exp family without a row max, and the polynomial): stat = 1 / l, and
+//    P = round(A(y)) * stat: exactly the normalised weights the forward multiplied V with;
+//  - exp family with a running row max m: stat = m + log2(l), P = exp2(y - stat).
+// dlogit gives dL/dx from P, y and dP - delta (delta = rowsum(dO * O), 0 without normalisation).
+
+// A = exp2(y - shift), y in log2 units (alpha and beta carry log2(e)); dL/dx = P (dP - delta).
+template <bool kRowMax_>
+struct ExpScore {
+  static constexpr bool kExp = true, kRowMax = kRowMax_;
+  float shift;
+  __device__ explicit ExpScore(const Params& p) : shift(p.shift) {}
+  __device__ float weight(float y) const { return ex2(y - shift); }
+  __device__ float dlogit(float P, float, float dp_minus_delta, float) const { return P * dp_minus_delta; }
+};
+
+// Fastmax: A = a0 + a1 y + a2 y^2 (y in natural units), dL/dx = (dP - delta) / l * f'(y).
+struct PolyScore {
+  static constexpr bool kExp = false, kRowMax = false;
+  float a0, a1, a2;
+  __device__ explicit PolyScore(const Params& p) : a0(p.a0), a1(p.a1), a2(p.a2) {}
+  __device__ float weight(float y) const { return fmaf(y, fmaf(a2, y, a1), a0); }
+  __device__ float dlogit(float, float y, float dp_minus_delta, float stat) const {
+    return dp_minus_delta * stat * fmaf(2.f * a2, y, a1);
+  }
+};
+
+// Visibility of (query t, key s) = s <= last_key(t) and key s is kept. last_key folds in both sequence
+// ends and the (bottom-right aligned) causal diagonal; it is -1 for rows past the end.
+__device__ __forceinline__ int last_key(const Params& p, int t) {
+  return t >= p.I ? -1 : p.causal ? min(t + p.J - p.I, p.J - 1) : p.J - 1;
+}
+
+// Bit 2*n + c set when key s0 + 8*n + c is inside the sequence and kept by the mask (`mask_row` is the
+// batch's row of the key mask, or null): the columns one thread holds in kN accumulator tiles.
+template <int kN>
+__device__ __forceinline__ uint32_t visible_cols(const Params& p, const uint8_t* mask_row, int s0) {
+  static_assert(kN <= 16, "32 bits");
+  uint32_t bits = 0;
+#pragma unroll
+  for (int n = 0; n < kN; ++n)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int s = s0 + 8 * n + c;
+      if (s < p.J && (mask_row == nullptr || mask_row[s])) bits |= 1u << (2 * n + c);
+    }
+  return bits;
+}
+
+// bias[b, h, t, s] for a visible pair (so t < I and s < J).
+template <class T>
+__device__ __forceinline__ float bias_at(const Params& p, const T* bias_bh, int t, int s) {
+  return Elem<T>::to_float(bias_bh[t * p.bias_si + s * p.bias_sj]);
+}
+
+__host__ __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+}  // namespace attn

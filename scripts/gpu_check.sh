@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine: install carried wheels, build the kernels, run the GPU tests, a
+# compute-sanitizer pass on a small case, and a quick timing against SDPA. Logs go to $OUT (or ./out).
+#
+#   bash scripts/gpu_check.sh                       # everything
+#   ATTN_DTYPES=bf16 ATTN_HEADDIMS=64 bash scripts/gpu_check.sh    # a narrowed development build
+#   STEPS="build timing" bash scripts/gpu_check.sh  # a subset of: wheels build tests sanitizer timing profile
+#   TESTS="tests/test_cuda_kernels.py -k layouts"   # what pytest runs (default: every GPU test)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+STEPS=${STEPS:-wheels build tests sanitizer timing}
+TESTS=${TESTS:-tests}
+export PYTHONUNBUFFERED=1
+status=0
+step() { [[ " $STEPS " == *" $1 "* ]]; }
+say() { echo "== $(date +%T) $*"; }
+
+if step wheels && [ -d .carry/whl ]; then
+  say "wheels"
+  python3 -m pip install -q --no-index --find-links .carry/whl wandb flash-linear-attention > "$OUT/wheels.log" 2>&1 \
+    || echo "wheel install failed (see wheels.log)"
+fi
+
+if step build; then
+  say "build (TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} ATTN_DTYPES=${ATTN_DTYPES:-all} ATTN_HEADDIMS=${ATTN_HEADDIMS:-all})"
+  TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
+    python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1
+  if [ $? -ne 0 ]; then
+    grep -m 20 -iE "error|undefined" "$OUT/build.log"
+    echo "BUILD FAILED (build.log)"
+    exit 1
+  fi
+  grep -E "ptxas (warning|error)|spill" "$OUT/build.log" | sort | uniq -c | head -20
+fi
+
+if step tests; then
+  say "pytest -m gpu $TESTS"
+  # shellcheck disable=SC2086
+  python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors --timeout=300 --tb=short -rfE $TESTS > "$OUT/pytest.log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | cut -c1-220 | head -40
+  tail -n 1 "$OUT/pytest.log"
+fi
+
+if step sanitizer; then
+  # Every kernel family and flag once, small; without the caching allocator so that any access past
+  # a tensor's end is outside an allocation.
+  case='
+import torch
+from attention_cuda import cosine_sim_attention, exp_attention, fastmax_attention
+torch.manual_seed(0)
+for dt, d in ((torch.bfloat16, 64), (torch.float16, 128), (torch.float32, 32)):
+    q = torch.randn(2, 4, 70, d, device="cuda", dtype=dt, requires_grad=True)
+    k, v = (torch.randn(2, 2, 150, d, device="cuda", dtype=dt, requires_grad=True) for _ in range(2))
+    bias = torch.randn(4, 70, 150, device="cuda", dtype=dt, requires_grad=True)
+    mask = torch.rand(2, 150, device="cuda") > 0.3
+    outs = [cosine_sim_attention(q, k, v, causal=True, mask=mask, attn_bias=bias, backend="cuda"),
+            cosine_sim_attention(q, k, v, backend="cuda"),
+            exp_attention(q, k, v, scale=0.1, mask=mask, backend="cuda"),
+            fastmax_attention(q, k, v, causal=True, normalize=True, form="quadratic", backend="cuda")]
+    torch.autograd.grad(sum(o.float().sum() for o in outs), (q, k, v, bias))
+torch.cuda.synchronize()
+print("sanitizer case ran")
+'
+  for tool in memcheck racecheck; do
+    say "compute-sanitizer --tool $tool"
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool $tool --error-exitcode 9 \
+      --kernel-name kns=attn python3 -c "$case" > "$OUT/sanitizer_$tool.log" 2>&1
+    rc=$?
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitizer case ran|Error" "$OUT/sanitizer_$tool.log" | sort | uniq -c | head -8
+    [ $rc -ne 0 ] && { echo "$tool: exit $rc"; status=1; }
+  done
+fi
+
+if step timing; then
+  say "timing (bf16 unless noted; ms, median of CUDA-event timings; sdpa = flash on l2-normalised q, k)"
+  python3 - <<'EOF' 2>&1 | tee "$OUT/timing.txt"
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from attention_cuda import cosine_sim_attention
+
+
+def bench(fn, reps=10):
+    for _ in range(3):
+        fn()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return sorted(ts)[len(ts) // 2]
+
+
+def case(b, h, n, d, causal, dtype=torch.bfloat16, baseline=SDPBackend.FLASH_ATTENTION):
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    dout = torch.randn(b, h, n, d, device="cuda", dtype=dtype)
+
+    def ours():
+        return cosine_sim_attention(q, k, v, causal=causal, backend="cuda")
+
+    def sdpa():
+        with sdpa_kernel(baseline):
+            return F.scaled_dot_product_attention(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v,
+                                                  is_causal=causal, scale=10.0)
+
+    flops = 4 * b * h * n * n * d / (2 if causal else 1)
+    for name, fn in (("fwd", lambda f: f()), ("fwd+bwd", lambda f: torch.autograd.grad(f(), (q, k, v), dout))):
+        with torch.no_grad() if name == "fwd" else torch.enable_grad():
+            t_ours, t_base = bench(lambda: fn(ours)), bench(lambda: fn(sdpa))
+        mult = 1 if name == "fwd" else 3.5
+        print(f"{str(dtype)[6:]:>8} b{b} h{h} n{n:<6} d{d:<4} {'causal' if causal else '      '} {name:<8}"
+              f" ours {t_ours:7.3f} ms ({mult * flops / t_ours / 1e9:4.0f} TF)  {baseline.name.lower()[:5]}"
+              f" {t_base:7.3f} ms  ratio {t_ours / t_base:5.2f}")
+
+
+for n in (4096, 8192, 16384):
+    for causal in (False, True):
+        case(4, 8, n, 64, causal)
+for causal in (False, True):
+    case(1, 32, 4096, 128, causal)
+case(4, 8, 8192, 64, False, torch.float16)
+case(4, 8, 8192, 64, False, torch.float32, SDPBackend.EFFICIENT_ATTENTION)
+EOF
+fi
+if step profile; then
+  # Hardware counters of one forward and one backward launch (b4 h8 n8192 d64 bf16): throughput,
+  # pipe use and why warps stall.
+  case='
+import torch
+from attention_cuda import cosine_sim_attention
+q, k, v = (torch.randn(4, 8, 8192, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+torch.autograd.grad(cosine_sim_attention(q, k, v, backend="cuda"), (q, k, v), torch.randn_like(q))
+torch.cuda.synchronize()
+'
+  say "ncu"
+  ncu --clock-control none -k regex:"fwd_kernel|bwd_kernel" -c 2 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+    --section WarpStateStats --section MemoryWorkloadAnalysis_Tables python3 -c "$case" > "$OUT/ncu_sections.txt" 2>&1
+  ncu --clock-control none -k regex:"fwd_kernel|bwd_kernel" -c 2 \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" python3 -c "$case" > "$OUT/ncu_stalls.txt" 2>&1
+  grep -E "fwd_kernel|bwd_kernel|Throughput|Pipe|Issue|Warp Cycles|Bank|Duration|Executed Ipc" "$OUT/ncu_sections.txt" | cut -c1-150 | head -60
+  grep -E "fwd_kernel|bwd_kernel|stalled" "$OUT/ncu_stalls.txt" | awk '$NF+0 > 0.05 || /kernel/' | cut -c1-150 | head -60
+fi
+say "done (status $status)"
+exit $status

@@ -1,0 +1,66 @@
+"""Install the project; compile the attention kernels where PyTorch has CUDA and nvcc exists.
+
+Without them the install is pure Python (CPU machines, CI), and attention_cuda JIT-compiles the
+kernels on first use if a GPU and nvcc turn up later. Knobs (environment variables):
+  TORCH_CUDA_ARCH_LIST  GPU architectures to build for (default "8.0;9.0")
+  ATTN_DTYPES           comma-separated subset of f16,bf16,f32 to compile (default all)
+  ATTN_HEADDIMS         comma-separated subset of 16,32,64,96,128 (default all); narrow both for fast
+                        development builds: inputs outside the build are reported as unsupported
+  MAX_JOBS              parallel compile jobs (ninja)
+"""
+import os
+import shutil
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).parent
+CSRC = Path("attention_cuda") / "csrc"
+DTYPES = ("f16", "bf16", "f32")
+HEAD_DIMS = ("16", "32", "64", "96", "128")
+
+
+def _subset(var, allowed):
+    picked = tuple(x.strip() for x in os.environ.get(var, "").split(",") if x.strip()) or allowed
+    unknown = [x for x in picked if x not in allowed]
+    if unknown:
+        raise SystemExit(f"{var}: unknown {unknown}; expected a comma-separated subset of {','.join(allowed)}")
+    return picked
+
+
+def _cuda_extension():
+    """(ext_modules, cmdclass) for the kernels, or ([], {}) with the reason printed."""
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except ImportError:
+        print("attention_cuda: torch is not importable at build time (pip without --no-build-isolation?); "
+              "installing pure Python, the kernels JIT-compile on first use")
+        return [], {}
+    nvcc = shutil.which("nvcc") or (CUDA_HOME and os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")))
+    if torch.version.cuda is None or not nvcc:
+        print(f"attention_cuda: {'this torch has no CUDA' if torch.version.cuda is None else 'nvcc not found'}; "
+              "installing pure Python (the kernels JIT-compile on first use where CUDA and nvcc exist)")
+        return [], {}
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    sources = [CSRC / "binding.cpp", CSRC / "aux.cu"]
+    sources += [CSRC / "inst" / f"{t}_hd{d}.cu" for t in _subset("ATTN_DTYPES", DTYPES)
+                for d in _subset("ATTN_HEADDIMS", HEAD_DIMS)]
+    nvcc_flags = (ROOT / CSRC / "nvcc_flags.txt").read_text().split()
+    ext = CUDAExtension("attention_cuda._C", [str(s) for s in sources],
+                        extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags})
+    return [ext], {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = _cuda_extension()
+setup(
+    name="attention-cuda-gpt",
+    version="0.1.0",
+    description="Cosine-sim, exp and fastmax attention kernels and a character-level GPT on enwik8",
+    packages=["attention_cuda", "model", "data"],
+    package_data={"attention_cuda": ["csrc/*.cpp", "csrc/*.h", "csrc/*.cuh", "csrc/*.cu", "csrc/*.txt",
+                                     "csrc/inst/*.cu"]},
+    python_requires=">=3.10",
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

@@ -1,0 +1,255 @@
+"""The CUDA kernels (backend="cuda") against float64 PyTorch, on a GPU.
+
+Error rule (FlashAttention's): for the output and every gradient, max |kernel - float64| must stay
+within 2x max |the same PyTorch math in the input dtype - float64|, plus a small atol (relative to
+the reference's magnitude, or to 1 where the exact gradient is 0). fp32 inputs run as TF32 in the
+kernels, so their PyTorch counterpart gets q, k, v and the upstream gradient rounded to TF32 and TF32
+matmuls: the same operand precision. Every kernel call gets fresh random inputs and a caching
+allocator whose free memory was filled with NaN first, so an output element the kernels never write
+shows up as NaN.
+"""
+import contextlib
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attention_cuda import cosine_sim_attention, exp_attention, fastmax_attention
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+HEAD_DIMS = [16, 32, 64, 96, 128]
+ATOL = {torch.float16: 1e-3, torch.bfloat16: 2e-3, torch.float32: 2e-4}  # times max(|reference|, 1)
+
+FAMILIES = {
+    # name: (call(q, k, v, **kw), takes attn_bias, inputs are pre-normalised rows)
+    "cosine": (lambda q, k, v, **kw: cosine_sim_attention(q, k, v, scale=10.0, **kw), True, False),
+    # the caller normalised q and k: nothing bounds the logits for the kernel, so it keeps a row max
+    "cosine_prenormed": (lambda q, k, v, **kw: cosine_sim_attention(q, k, v, scale=10.0, l2norm_qk=False, **kw),
+                         True, True),
+    "exp": (lambda q, k, v, **kw: exp_attention(q, k, v, scale=0.5 / math.sqrt(q.shape[-1]), **kw), False, False),
+    "fastmax": (lambda q, k, v, **kw: fastmax_attention(q, k, v, temperature=math.sqrt(q.shape[-1]),
+                                                        form="quadratic", **kw), False, False),
+    "fastmax_norm": (lambda q, k, v, **kw: fastmax_attention(q, k, v, normalize=True, lim=1.5, form="quadratic", **kw),
+                     False, False),
+}
+SHAPES = [  # (b, h, h_kv, i, j): length 1, MQA, grouped cross-attention at non-tile lengths, i > j
+    (2, 2, 2, 1, 1),
+    (1, 4, 1, 77, 77),
+    (2, 4, 2, 130, 257),
+    (3, 2, 2, 200, 65),
+]
+FLAGS = ["none", "causal", "mask", "bias", "all"]
+
+
+def poison_allocator():
+    """Fill the caching allocator's free blocks, small and large pools, with NaN."""
+    blocks = [torch.full((2**17,), float("nan"), device="cuda") for _ in range(16)]
+    blocks.append(torch.full((2**26,), float("nan"), device="cuda"))
+    del blocks
+
+
+def round_to_tf32(x):
+    """fp32 -> the nearest value with a 10-bit mantissa (ties away from zero, as cvt.rna.tf32)."""
+    return ((x.view(torch.int32) + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+@contextlib.contextmanager
+def tf32_matmuls(on):
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = on
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def make_case(shape, d, family, flag, seed):
+    """float64 leaves q, k, v (and attn_bias), the call's keyword arguments and an upstream gradient."""
+    b, h, hkv, i, j = shape
+    _, takes_bias, prenormed = FAMILIES[family]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.float64)  # noqa: E731
+    q, k, v = rand(b, h, i, d), rand(b, hkv, j, d), rand(b, hkv, j, d)
+    if prenormed:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    kw, leaves = {}, [q, k, v]
+    if flag in ("causal", "all"):
+        kw["causal"] = True
+    if flag in ("mask", "all"):
+        mask = torch.rand(b, j, generator=g, device="cuda") > 0.3
+        if b > 1:
+            mask[-1] = False  # a batch row with no visible key: zeros, not NaN
+        kw["mask"] = mask
+    if flag in ("bias", "all") and takes_bias:
+        kw["attn_bias"] = 2 * rand(h, i, j)  # (h, i, j): broadcast over the batch as a stride-0 view
+        leaves.append(kw["attn_bias"])
+    return leaves, kw, rand(b, h, i, d)
+
+
+def run(call, leaves, kw, dout, dtype, backend):
+    """Output and gradients w.r.t. every leaf, computed from copies of the leaves in `dtype`."""
+    xs = [t.detach().to(dtype) for t in leaves]
+    dout = dout.to(dtype)
+    if dtype == torch.float32 and backend == "torch":
+        xs[:3], dout = [round_to_tf32(t) for t in xs[:3]], round_to_tf32(dout)
+    xs = [t.requires_grad_() for t in xs]
+    call_kw = dict(kw, attn_bias=xs[3]) if len(xs) == 4 else kw
+    if backend == "cuda":
+        poison_allocator()
+    with tf32_matmuls(dtype == torch.float32):
+        out = call(*xs[:3], backend=backend, **call_kw)
+        grads = torch.autograd.grad(out, xs, dout)
+    return [out, *grads]
+
+
+def rule_violation(kernel, torch_dt, ref, dtype):
+    """None if the kernel's result obeys the error rule, else what is wrong."""
+    kernel, torch_dt = kernel.double(), torch_dt.double()
+    if not torch.isfinite(kernel).all():
+        return "non-finite values (unwritten or NaN)"
+    err_kernel = (kernel - ref).abs().max().item()
+    err_torch = (torch_dt - ref).abs().max().item()
+    atol = ATOL[dtype] * max(ref.abs().max().item(), 1.0)
+    if err_kernel > 2 * err_torch + atol:
+        return f"kernel error {err_kernel:.3g} > 2 x PyTorch {dtype} error {err_torch:.3g} + atol {atol:.2g}"
+    return None
+
+
+def compare(cases, call, dtype):
+    """Check every case (leaves, kwargs, upstream gradient, label); report all violations at once."""
+    problems = []
+    for leaves, kw, dout, label in cases:
+        ref, torch_dt, kernel = (run(call, leaves, kw, dout, dt, be)
+                                 for dt, be in ((torch.float64, "torch"), (dtype, "torch"), (dtype, "cuda")))
+        for name, k, t, r in zip(["out", "dq", "dk", "dv", "dbias"], kernel, torch_dt, ref):
+            problem = rule_violation(k, t, r, dtype)
+            if problem:
+                problems.append(f"{label} {name}: {problem}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("family,flag", [(fam, flag) for fam in FAMILIES for flag in FLAGS
+                                         if flag != "bias" or FAMILIES[fam][1]])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+def test_kernel_matches_float64(dtype, d, family, flag):
+    cases = [(*make_case(shape, d, family, flag, seed=n), str(shape)) for n, shape in enumerate(SHAPES)]
+    compare(cases, FAMILIES[family][0], dtype)
+
+
+@pytest.mark.parametrize("scale", [1.0, 20.0, 60.0])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cosine_scales_past_the_no_max_bound(dtype, scale):
+    """Large scales switch the kernel from the fixed shift to a running max (fp16 earliest)."""
+    case = (*make_case((2, 2, 2, 130, 150), 64, "cosine", "causal", seed=1), f"scale={scale}")
+    compare([case], lambda q, k, v, **kw: cosine_sim_attention(q, k, v, scale=scale, **kw), dtype)
+
+
+def test_forward_bits_are_reproducible():
+    leaves, kw, _ = make_case((2, 4, 2, 300, 300), 64, "cosine", "all", seed=3)
+    q, k, v, bias = (t.to(torch.bfloat16) for t in leaves)
+    runs = []
+    for _ in range(2):
+        poison_allocator()
+        runs.append(cosine_sim_attention(q, k, v, attn_bias=bias, causal=True, mask=kw["mask"], backend="cuda"))
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_layouts_give_the_same_bits():
+    """Merged b*h, one shared kv head, strided views and a non-contiguous head dim: same forward bits."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    b, h, n, d = 2, 4, 150, 64
+    qkv = torch.randn(b, n, 3, h, 2 * d, generator=g, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (qkv[:, :, i, :, :d].transpose(1, 2) for i in range(3))  # strided views of a packed tensor
+    want = cosine_sim_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True, backend="cuda")
+    assert torch.equal(cosine_sim_attention(q, k, v, causal=True, backend="cuda"), want)
+    wide = qkv[:, :, 0].transpose(1, 2)[..., ::2]  # head dim with stride 2: copied once, same result
+    assert torch.equal(cosine_sim_attention(wide, k, v, backend="cuda"),
+                       cosine_sim_attention(wide.contiguous(), k, v, backend="cuda"))
+    merged = cosine_sim_attention(q.reshape(b * h, n, d), k.reshape(b * h, n, d), v.reshape(b * h, n, d),
+                                  causal=True, backend="cuda")
+    assert torch.equal(merged, want.reshape(b * h, n, d))
+    shared = cosine_sim_attention(q, k[:, 0], v[:, 0], backend="cuda")
+    assert torch.equal(shared, cosine_sim_attention(q, k[:, :1], v[:, :1], backend="cuda"))
+
+
+def test_long_sequence_stays_finite():
+    g = torch.Generator(device="cuda").manual_seed(5)
+    n = 65536
+    q, k, v = (torch.randn(1, 1, n, 64, generator=g, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    for causal in (False, True):
+        out = cosine_sim_attention(q, k, v, causal=causal, backend="cuda")
+        grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        for t in (out, *grads):
+            assert torch.isfinite(t).all()
+        out = fastmax_attention(q, k, v, causal=causal, normalize=True, form="quadratic", backend="cuda")
+        assert torch.isfinite(out).all()
+
+
+def peak_extra_bytes(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def test_peak_memory_within_sdpa_flash():
+    b, h, n, d = 4, 8, 16384, 64
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+
+    def ours():
+        torch.autograd.grad(cosine_sim_attention(q, k, v, backend="cuda"), (q, k, v), dout)
+
+    def sdpa():
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            out = F.scaled_dot_product_attention(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, scale=10.0)
+            torch.autograd.grad(out, (q, k, v), dout)
+
+    ours(), sdpa()  # warm-up: workspaces, the allocator's first segments
+    mine, theirs = peak_extra_bytes(ours), peak_extra_bytes(sdpa)
+    assert mine <= 1.2 * theirs, f"peak extra memory {mine / 2**20:.0f} MiB vs SDPA flash {theirs / 2**20:.0f} MiB"
+
+
+def test_autocast_runs_in_the_autocast_dtype():
+    g = torch.Generator(device="cuda").manual_seed(6)
+    q, k, v = (torch.randn(2, 2, 100, 64, generator=g, device="cuda", requires_grad=True) for _ in range(3))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = cosine_sim_attention(q, k, v, causal=True, backend="cuda")
+    assert out.dtype == torch.bfloat16
+    want = cosine_sim_attention(*(t.detach().bfloat16() for t in (q, k, v)), causal=True, backend="cuda")
+    assert torch.equal(out, want)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert all(gr.dtype == torch.float32 and torch.isfinite(gr).all() for gr in grads)
+
+
+def test_torch_compile_traces_without_graph_breaks():
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(2, 4, 96, 64, generator=g, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    bias = torch.randn(4, 96, 96, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def f(q, k, v, bias):
+        return cosine_sim_attention(q, k, v, attn_bias=bias, causal=True, backend="cuda").float().square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(q, k, v, bias), (q, k, v, bias))
+    want = torch.autograd.grad(f(q, k, v, bias), (q, k, v, bias))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: torch.randn(1, 2, 8, 48, device="cuda", dtype=torch.bfloat16), "head dim 48"),
+    (lambda: torch.randn(1, 2, 8, 64, device="cuda", dtype=torch.float64), "float64"),
+])
+def test_unsupported_inputs_raise_clearly(make, match):
+    q = make()
+    with pytest.raises(NotImplementedError, match=match):
+        cosine_sim_attention(q, q, q, backend="cuda")
