@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_check.sh                       # everything
 #   ATTN_DTYPES=bf16 ATTN_HEADDIMS=64 bash scripts/gpu_check.sh    # a narrowed development build
-#   STEPS="build timing" bash scripts/gpu_check.sh  # a subset of: wheels build tests sanitizer timing profile
+#   STEPS="build timing" bash scripts/gpu_check.sh  # a subset of: wheels build tests sanitizer timing profile suite bench
 #   TESTS="tests/test_cuda_kernels.py -k layouts"   # what pytest runs (default: every GPU test)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -144,6 +144,24 @@ torch.cuda.synchronize()
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" python3 -c "$case" > "$OUT/ncu_stalls.txt" 2>&1
   grep -E "fwd_kernel|bwd_kernel|Throughput|Pipe|Issue|Warp Cycles|Bank|Duration|Executed Ipc" "$OUT/ncu_sections.txt" | cut -c1-150 | head -60
   grep -E "fwd_kernel|bwd_kernel|stalled" "$OUT/ncu_stalls.txt" | awk '$NF+0 > 0.05 || /kernel/' | cut -c1-150 | head -60
+fi
+if step suite; then
+  # The CPU-side suite (model, training, data, references) on the GPU machine: bf16 autocast paths
+  # and CUDA devices are what it meets there.
+  say "pytest -m 'not gpu'"
+  python3 -m pytest -q -m "not gpu" -p no:cacheprovider --tb=short -rfE tests > "$OUT/suite.log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)" "$OUT/suite.log" | cut -c1-220 | head -20
+  tail -n 1 "$OUT/suite.log"
+fi
+
+if step bench; then
+  # The committed benchmark results: BENCH lists benchmark.py presets (each writes bench_<preset>.txt/.json).
+  for preset in ${BENCH:-seeds}; do
+    say "benchmark.py --preset $preset"
+    python3 benchmark.py --preset "$preset" ${BENCH_ARGS:-} --json "$OUT/results_$preset.json" > "$OUT/bench_$preset.txt" 2>&1 \
+      || { echo "benchmark $preset failed"; status=1; }
+    tail -n 40 "$OUT/bench_$preset.txt"
+  done
 fi
 say "done (status $status)"
 exit $status
