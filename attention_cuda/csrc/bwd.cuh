@@ -95,16 +95,15 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(co
   if (steps > 0) load_q(cur, 0);
   cp_async_commit();
 
-  // This thread's keys n0 + wkey + g + 8*half: 1/|k| (and alpha/|k|), whether the key is kept at all,
+  // This thread's keys n0 + wkey + g + 8*half: 1/|k|, whether the key is kept at all,
   // and the first query that may see it under causal.
-  float rkr[2], ark[2];
+  float rkr[2];
   bool kept[2];
   int first_q[2];
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int s = n0 + wkey + g + 8 * hf;
     rkr[hf] = p.rk && s < p.J ? p.rk[static_cast<int64_t>(b * p.Hkv + hk) * p.j_pad + s] : 1.f;
-    ark[hf] = p.alpha * rkr[hf];
     kept[hf] = s < p.J && (mask == nullptr || mask[s]);
     first_q[hf] = p.causal ? s - (p.J - p.I) : 0;
   }
@@ -130,17 +129,19 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(co
     float dqa[kNDC][4] = {};
 #pragma unroll
     for (int kk = 0; kk < kBc / 16; ++kk) {
+      // The k-step moves the tiles' bases, so the per-lane part of each address is computed once.
+      const Tile ds_k{sDS.base + kk * 16 * sDS.pitch, sDS.pitch}, k_k{sK.base + kk * 16 * sK.pitch, sK.pitch};
       uint32_t a[M::kA];
-      M::lda_t(a, sDS, kk * 16, rg * 16);
+      M::lda_t(a, ds_k, 0, rg * 16);
 #pragma unroll
       for (int nd = 0; nd < kNDC; nd += 2) {
         uint32_t b0[M::kB], b1[M::kB];
         if (nd + 1 < kNDC) {
-          M::ldb2_t(b0, b1, sK, kk * 16, c0 + nd * 8);
+          M::ldb2_t(b0, b1, k_k, 0, c0 + nd * 8);
           M::mma(dqa[nd], a, b0);
           M::mma(dqa[nd + 1], a, b1);
         } else {
-          M::ldb1_t(b0, sK, kk * 16, c0 + nd * 8);
+          M::ldb1_t(b0, k_k, 0, c0 + nd * 8);
           M::mma(dqa[nd], a, b0);
         }
       }
@@ -200,23 +201,32 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(co
     }
 
     // Logits y with hidden pairs at -inf (the forward's visibility rules), then P and dL/dx per
-    // element. dS~ = dL/dx * dy/d(q.k) = dL/dx * alpha rq rk flows into dK and dQ.
-    auto alpha_rqk = [&](int nq, int e) {  // alpha rq rk of element (nq, e)
+    // element. dS~ = dL/dx * dy/d(q.k) = dL/dx * alpha rq rk flows into dK and dQ. The weights repeat
+    // the forward's arithmetic: scale = (alpha rq) rk and, for a fixed shift on tiles without edges or
+    // bias, one fused exp2(s * scale - shift); elsewhere the shift comes off after the bias.
+    auto arq_pair = [&](int nq) {  // alpha/|q| of this thread's two queries in column tile nq
       const float2 rq2 = p.rq ? *reinterpret_cast<const float2*>(v_rq + nq * 8 + 2 * tq) : make_float2(1.f, 1.f);
-      return ((e & 1) ? rq2.y : rq2.x) * ark[e >> 1];
+      return make_float2(p.alpha * rq2.x, p.alpha * rq2.y);
     };
-    // Kept in registers where they fit; large head dims recompute them below.
-    constexpr bool kKeepRa = D <= 64;
+    auto scale_of = [&](float2 arq2, int e) { return ((e & 1) ? arq2.y : arq2.x) * rkr[e >> 1]; };
+    constexpr bool kShift = Policy::kExp && !Policy::kRowMax;
+    constexpr bool kKeepRa = D <= 64;  // the scales per element stay in registers where they fit
+    const bool edge = n0 + kBc > p.J || m0 + kBr > p.I || mask != nullptr || (p.causal && n0 + kBc - 1 > m0 + p.J - p.I);
+    const T* bias = p.bias ? static_cast<const T*>(p.bias) + b * p.bias_sb + h * p.bias_sh : nullptr;
+    const float fused_shift = kShift && !edge && !bias ? p.shift : 0.f;
     float ra[kKeepRa ? kNQ : 1][4];
 #pragma unroll
-    for (int nq = 0; nq < kNQ; ++nq)
+    for (int nq = 0; nq < kNQ; ++nq) {
+      const float2 arq2 = arq_pair(nq);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float r = alpha_rqk(nq, e);
+        const float r = scale_of(arq2, e);
         if constexpr (kKeepRa) ra[nq][e] = r;
-        sc[nq][e] *= r;
+        if constexpr (kShift) sc[nq][e] = fmaf(sc[nq][e], r, -fused_shift);  // exactly s * r when not fused
+        else sc[nq][e] *= r;
       }
-    if (n0 + kBc > p.J || m0 + kBr > p.I || mask != nullptr || (p.causal && n0 + kBc - 1 > m0 + p.J - p.I)) {
+    }
+    if (edge) {
 #pragma unroll
       for (int nq = 0; nq < kNQ; ++nq)
 #pragma unroll
@@ -225,7 +235,6 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(co
           if (!kept[e >> 1] || t < first_q[e >> 1] || t >= p.I) sc[nq][e] = -INFINITY;
         }
     }
-    const T* bias = p.bias ? static_cast<const T*>(p.bias) + b * p.bias_sb + h * p.bias_sh : nullptr;
     if (bias) {
 #pragma unroll
       for (int nq = 0; nq < kNQ; ++nq)
@@ -235,7 +244,14 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(co
             sc[nq][e] = fmaf(p.beta, bias_at(p, bias, m0 + nq * 8 + 2 * tq + (e & 1), n0 + wkey + g + 8 * (e >> 1)),
                              sc[nq][e]);
     }
-    T* dbias = p.dbias ? static_cast<T*>(p.dbias) + static_cast<int64_t>(b * p.H + h) * p.I * p.J : nullptr;
+    if (kShift && (edge || bias)) {
+#pragma unroll
+      for (int nq = 0; nq < kNQ; ++nq)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[nq][e] -= p.shift;
+    }
+    // P and dL/dx per element; dL/dx is also d(loss)/d(bias) for the rare dbias store, before it is
+    // scaled into dS~ (a separate loop keeps the store's index tests off the common path).
 #pragma unroll
     for (int nq = 0; nq < kNQ; ++nq) {
       const float2 stat2 = *reinterpret_cast<const float2*>(v_stat + nq * 8 + 2 * tq);
@@ -246,6 +262,8 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(co
         float P, ds;
         if constexpr (Policy::kRowMax) {
           P = ex2(y - stat);
+        } else if constexpr (kShift) {  // y - shift already
+          P = round_for_mma<T>(ex2(y)) * stat;
         } else {
           P = round_for_mma<T>(pol.weight(y)) * stat;
         }
@@ -253,13 +271,29 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(co
         if constexpr (!Policy::kExp) {  // exp2 gives 0 at -inf by itself; the polynomial does not
           if (y == -INFINITY) P = 0.f, ds = 0.f;
         }
-        if (dbias) {
-          const int t = m0 + nq * 8 + 2 * tq + (e & 1), s = n0 + wkey + g + 8 * (e >> 1);
-          if (t < p.I && s < p.J) dbias[static_cast<int64_t>(t) * p.J + s] = Elem<T>::from_float(ds);
-        }
         sc[nq][e] = P;
-        if constexpr (kKeepRa) dp[nq][e] = ds * ra[nq][e];
-        else dp[nq][e] = ds * alpha_rqk(nq, e);
+        dp[nq][e] = ds;
+      }
+    }
+    if (p.dbias) {
+      T* dbias = static_cast<T*>(p.dbias) + static_cast<int64_t>(b * p.H + h) * p.I * p.J;
+#pragma unroll
+      for (int nq = 0; nq < kNQ; ++nq)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = m0 + nq * 8 + 2 * tq + (e & 1), s = n0 + wkey + g + 8 * (e >> 1);
+          if (t < p.I && s < p.J) dbias[static_cast<int64_t>(t) * p.J + s] = Elem<T>::from_float(dp[nq][e]);
+        }
+    }
+#pragma unroll
+    for (int nq = 0; nq < kNQ; ++nq) {
+      if constexpr (kKeepRa) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[nq][e] *= ra[nq][e];
+      } else {
+        const float2 arq2 = arq_pair(nq);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[nq][e] *= scale_of(arq2, e);
       }
     }
 
