@@ -2,6 +2,7 @@
 
     python train.py --config configs/tiny_cpu --data-path ../shared/data/enwik8-first4mb   # CPU, minutes
     python train.py --seq-len 8192 --use-cuda-kernel                                       # configs/base on a GPU
+    torchrun --standalone --nproc_per_node=8 train.py --grad_accum_steps 8 --use-cuda-kernel   # DDP, 8 GPUs
 
 Every field of TrainConfig can be set in the config file (``name = literal`` lines) and overridden on
 the command line as ``--name value``, ``--name=value`` or ``--name-with-dashes value``; boolean flags
@@ -12,6 +13,12 @@ metrics.jsonl (one JSON object per step and per evaluation) and ckpt.pt.
 ``--resume PATH`` from that checkpoint. A resumed run reproduces the uninterrupted one exactly (bit for
 bit on CPU). SIGINT or SIGTERM finishes the current step, saves a checkpoint and exits with code 130;
 a second SIGINT interrupts at once. Exit code 0: training finished; 2: bad command line or config.
+
+Under torchrun (WORLD_SIZE > 1) each process trains a DistributedDataParallel replica on its own GPU (or
+CPU, over gloo) and draws its own random windows. grad_accum_steps counts the micro-steps of all processes
+together, each doing grad_accum_steps / WORLD_SIZE of them, so a step's batch does not grow with the
+process count. Evaluations are split over the ranks and summed exactly; rank 0 alone logs and writes the
+checkpoint, which every rank reads on resume (with the same WORLD_SIZE).
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import contextlib
 import dataclasses
 import difflib
 import html
+import itertools
 import json
 import math
 import os
@@ -37,7 +45,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import wandb
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from attention_cuda import cuda_unavailable_reason
@@ -307,17 +317,28 @@ def save_checkpoint(state: dict, path: Path) -> None:
         os.close(dir_fd)
 
 
-def rng_states() -> dict:
+def rng_states(device: torch.device) -> dict:
+    # The CUDA state of this process's device only: reading every GPU's would make each DDP rank create
+    # a CUDA context on all of them.
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
 
-def set_rng_states(states: dict) -> None:
+def set_rng_states(states: dict, device: torch.device) -> None:
     random.setstate(states["python"])
     np.random.set_state(states["numpy"])
     torch.set_rng_state(states["torch"])
-    if states["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+    if states["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"], device)
+
+
+def gather_from_ranks(obj, world_size: int) -> list:
+    """[rank 0's obj, rank 1's obj, ...] on every rank (a collective: all ranks must call it)."""
+    if world_size == 1:
+        return [obj]
+    objs = [None] * world_size
+    dist.all_gather_object(objs, obj)
+    return objs
 
 
 def bpc_by_position(loss_sum: torch.Tensor, count: torch.Tensor) -> list[tuple[int, float]]:
@@ -334,18 +355,28 @@ def bpc_by_position(loss_sum: torch.Tensor, count: torch.Tensor) -> list[tuple[i
 
 
 @torch.no_grad()
-def evaluate(model: GPT, split: np.ndarray, cfg: TrainConfig, device, autocast, max_windows):
-    """(mean loss in nats, bpc-by-position curve) over eval_windows of one split."""
+def evaluate(model: GPT, split: np.ndarray, cfg: TrainConfig, device, autocast, max_windows,
+             rank: int = 0, world_size: int = 1):
+    """(mean loss in nats, bpc-by-position curve) over eval_windows of one split.
+
+    Under DDP (a collective: all ranks must call it) rank r scores batches r, r + world_size, ... and
+    the per-position loss sums and counts are added over ranks: the single-process result, which an
+    average of the ranks' means would not be, as ranks can score different numbers of targets.
+    """
     model.eval()
     loss_sum = torch.zeros(cfg.seq_len, dtype=torch.float64, device=device)
     count = torch.zeros(cfg.seq_len, dtype=torch.float64, device=device)
-    for x, y, keep in eval_windows(split, cfg.seq_len, cfg.batch_size, max_windows):
+    batches = eval_windows(split, cfg.seq_len, cfg.batch_size, max_windows)
+    for x, y, keep in itertools.islice(batches, rank, None, world_size):
         x, y, keep = x.to(device), y.to(device), keep.to(device)
         with autocast:
             _, loss = model(x, y, reduction="none")
         loss_sum += (loss.double() * keep).sum(0)
         count += keep.sum(0)
     model.train()
+    if world_size > 1:
+        dist.all_reduce(loss_sum)
+        dist.all_reduce(count)
     loss_sum, count = loss_sum.cpu(), count.cpu()
     return (loss_sum.sum() / count.sum()).item(), bpc_by_position(loss_sum, count)
 
@@ -460,12 +491,21 @@ class StopOnSignal:
 
 # ----------------------------------------------------------------------------- main
 
-def setup_device(cfg: TrainConfig) -> tuple[torch.device, torch.dtype]:
+def setup_device(cfg: TrainConfig, local_rank: int = 0, world_size: int = 1) -> tuple[torch.device, torch.dtype]:
     device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             usage_error(f"device: {cfg.device!r} asked for, but PyTorch sees no CUDA device")
-        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        if world_size > 1:
+            if device.index is not None:
+                usage_error(f"device: {cfg.device!r} pins one GPU, but under torchrun each of the WORLD_SIZE="
+                            f"{world_size} processes takes cuda:LOCAL_RANK; pass --device cuda or auto")
+            if local_rank >= torch.cuda.device_count():
+                usage_error(f"LOCAL_RANK={local_rank}: only {torch.cuda.device_count()} CUDA devices are visible; "
+                            "start at most one process per GPU (--nproc_per_node)")
+            device = torch.device("cuda", local_rank)
+        elif device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True  # the few fp32 matmuls outside autocast
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
@@ -477,7 +517,7 @@ def setup_device(cfg: TrainConfig) -> tuple[torch.device, torch.dtype]:
     return device, dtype
 
 
-def checkpoint_to_resume(cfg: TrainConfig, resume: str | None, ckpt_path: Path) -> dict | None:
+def checkpoint_to_resume(cfg: TrainConfig, resume: str | None, ckpt_path: Path, world_size: int) -> dict | None:
     """The checkpoint --resume names (None for a fresh run), refusing one whose run cfg would change."""
     if resume == "auto":
         resume = str(ckpt_path) if ckpt_path.exists() else None
@@ -496,27 +536,44 @@ def checkpoint_to_resume(cfg: TrainConfig, resume: str | None, ckpt_path: Path) 
         usage_error(f"--resume: the config differs from the checkpoint's in {', '.join(changed)} (e.g. {k}: "
                     f"checkpoint {ckpt['config'][k]!r}, now {getattr(cfg, k, None)!r}); "
                     "resuming must not change the model or the optimisation")
+    if ckpt["world_size"] != world_size:
+        usage_error(f"--resume: the checkpoint was written by a run of {ckpt['world_size']} process(es), this one has "
+                    f"WORLD_SIZE={world_size}; each rank's data stream and dropout RNG continue only under the same "
+                    "number of processes")
     return ckpt
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg, resume = parse_args(argv)
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if world_size > 1:
-        usage_error(f"WORLD_SIZE={world_size}: multi-process (DDP) training is not implemented yet; run one process")
-    device, dtype = setup_device(cfg)
+    # Set by torchrun; a plain `python train.py` is rank 0 of 1.
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if cfg.grad_accum_steps % world_size:
+        usage_error(f"grad_accum_steps: expected a multiple of WORLD_SIZE={world_size} (it counts the micro-steps "
+                    f"of all processes together), got {cfg.grad_accum_steps}")
+    micro_steps = cfg.grad_accum_steps // world_size
+    device, dtype = setup_device(cfg, local_rank, world_size)
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     run_dir = Path(cfg.out_dir) / cfg.run_name
     ckpt_path = run_dir / "ckpt.pt"
-    ckpt = checkpoint_to_resume(cfg, resume, ckpt_path)
+    ckpt = checkpoint_to_resume(cfg, resume, ckpt_path, world_size)
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
 
+    # Rank 0 downloads and verifies enwik8 (once) while the others wait; then they read its cache.
+    if rank != 0:
+        dist.barrier()
     try:
         splits = load_enwik8(cfg.data_path, log=print if rank == 0 else lambda *_: None)
     except DataError as err:
         usage_error(str(err))
+    if rank == 0 and world_size > 1:
+        dist.barrier()
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+    # Per rank, so that ranks draw different dropout masks; DDP gives every rank rank 0's initial weights.
+    torch.manual_seed(cfg.seed + rank)
     sampler = RandomWindowSampler(splits["train"], cfg.batch_size, cfg.seq_len, cfg.seed, rank, world_size)
     model = GPT(cfg.model_config()).to(device)
     optimizer = make_optimizer(model, cfg, device)
@@ -525,11 +582,15 @@ def main(argv: list[str] | None = None) -> int:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         sampler.load_state_dict(ckpt["sampler"])
-        set_rng_states(ckpt["rng"])
+        set_rng_states(ckpt["rng"][rank], device)
         start_step, run_id = ckpt["step"], ckpt["wandb_run_id"]
-    train_model = torch.compile(model) if cfg.compile else model
+    # DDP averages the gradients over ranks during backward, in buckets that overlap the computation.
+    ddp = (DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+           if world_size > 1 else None)
+    train_model = model if ddp is None else ddp
+    train_model = torch.compile(train_model) if cfg.compile else train_model
 
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * world_size
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps
     flops_per_token = model.flops_per_token()
     peak = peak_flops(cfg, device, dtype)
     run_log = None
@@ -540,47 +601,58 @@ def main(argv: list[str] | None = None) -> int:
         run_id = run_log.wandb.id
         print(f"{cfg.run_name}: {model.num_params() / 1e6:.2f}M params, {cfg.attention} attention"
               f"{' (CUDA kernel)' if cfg.use_cuda_kernel else ''}, {tokens_per_step:,} tokens/step, "
-              f"{flops_per_token / 1e6:.1f} MFLOP/token, {device} {dtype}, writing to {run_dir}"
+              f"{flops_per_token / 1e6:.1f} MFLOP/token, {device} {dtype}"
+              f"{f' x {world_size} processes' if world_size > 1 else ''}, writing to {run_dir}"
               + (f", resuming at step {start_step}" if ckpt is not None else ""))
         if peak is None:
             print(f"perf/mfu not logged: no peak FLOP/s known for {device} {dtype}; pass --peak_tflops to set it")
     prompt = bytes(splits["val"][:SAMPLE_PROMPT_BYTES])
 
     def checkpoint(step: int) -> None:
+        # Every rank's RNG state (their dropout masks differ); the rest is the same on all ranks.
+        rngs = gather_from_ranks(rng_states(device), world_size)
         if rank == 0:
             save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                             "config": asdict(cfg), "rng": rng_states(), "sampler": sampler.state_dict(),
-                             "wandb_run_id": run_id}, ckpt_path)
+                             "config": asdict(cfg), "rng": rngs, "sampler": sampler.state_dict(),
+                             "world_size": world_size, "wandb_run_id": run_id}, ckpt_path)
 
     def log_eval(step: int, split: str, max_windows: int | None, with_sample: bool) -> None:
-        loss, curve = evaluate(model, splits[split], cfg, device, autocast, max_windows)
-        sample = (sample_text(model, prompt, cfg.sample_tokens, device, autocast, cfg.seed + step)
-                  if with_sample else None)
+        loss, curve = evaluate(model, splits[split], cfg, device, autocast, max_windows, rank, world_size)
         if rank == 0:
+            sample = (sample_text(model, prompt, cfg.sample_tokens, device, autocast, cfg.seed + step)
+                      if with_sample else None)
             run_log.log_eval(step, split, loss, curve, sample)
             tqdm.write(f"step {step}: {split} bpc {loss / math.log(2):.4f}"
                        + (f"\n--- sample ---\n{sample}\n--------------" if sample else ""))
 
-    step, exit_code = start_step, 0
+    step, exit_code, stopping = start_step, 0, False
     bar = tqdm(total=cfg.max_iters, initial=start_step, disable=rank != 0, dynamic_ncols=True)
     with StopOnSignal() as stop:
-        while step < cfg.max_iters and stop.signum is None:
+        while step < cfg.max_iters and not stopping:
             t0 = time.perf_counter()
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss_sum = torch.zeros((), device=device)
-            for _ in range(cfg.grad_accum_steps):
+            for micro in range(micro_steps):
                 x, y = sampler.next_batch()
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                with autocast:
-                    _, loss = train_model(x, y)
-                (loss / cfg.grad_accum_steps).backward()
+                # DDP all-reduces the gradients in backward; once per step is enough, at the last micro-step.
+                with ddp.no_sync() if ddp is not None and micro < micro_steps - 1 else contextlib.nullcontext():
+                    with autocast:
+                        _, loss = train_model(x, y)
+                    (loss / micro_steps).backward()
                 loss_sum += loss.detach()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            train_loss = loss_sum.item() / cfg.grad_accum_steps  # .item() waits for the GPU: the step is done
+            # One all-reduce carries the loss summed over ranks and whether any rank was signalled, so the
+            # logged loss is the whole step's and all ranks stop after the same step.
+            stats = torch.stack([loss_sum, torch.tensor(float(stop.signum is not None), device=device)])
+            if world_size > 1:
+                dist.all_reduce(stats)
+            loss_total, stop_votes = stats.tolist()  # waits for the GPU: the step is done
+            train_loss, stopping = loss_total / cfg.grad_accum_steps, stop_votes > 0
             dt = time.perf_counter() - t0
             step += 1
             bar.update()
@@ -588,26 +660,32 @@ def main(argv: list[str] | None = None) -> int:
                 metrics = {"train/loss": train_loss, "train/bpc": train_loss / math.log(2), "lr": lr,
                            "grad_norm": grad_norm.item(), "perf/tokens_per_s": tokens_per_step / dt,
                            "perf/step_ms": 1000 * dt, "perf/peak_mem_gib": peak_memory_gib(device)}
-                if peak is not None:
-                    metrics["perf/mfu"] = flops_per_token * tokens_per_step / dt / peak
+                if peak is not None:  # one device's peak
+                    metrics["perf/mfu"] = flops_per_token * tokens_per_step / dt / (peak * world_size)
                 run_log.log(step, metrics)
                 bar.set_postfix(bpc=f"{metrics['train/bpc']:.3f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}")
-            if step < cfg.max_iters and stop.signum is None:  # else the checkpoint below is this step's
+            if step < cfg.max_iters and not stopping:  # else the checkpoint below is this step's
                 if step % cfg.eval_interval == 0:
                     log_eval(step, "val", cfg.eval_max_windows, with_sample=True)
                 if step % cfg.ckpt_interval == 0:
                     checkpoint(step)
         bar.close()
-        if stop.signum is None:
+        if not stopping:
             log_eval(step, "val", cfg.final_eval_max_windows, with_sample=True)
             log_eval(step, "test", cfg.final_eval_max_windows, with_sample=False)
         checkpoint(step)
-        if stop.signum is not None:
+        if stopping:
             exit_code = EXIT_STOPPED
-            print(f"stopped by {signal.Signals(stop.signum).name} after step {step}; checkpoint in {ckpt_path}, "
-                  "continue with --resume auto")
+            if rank == 0:
+                by = signal.Signals(stop.signum).name if stop.signum is not None else "a signal to another rank"
+                print(f"stopped by {by} after step {step}; checkpoint in {ckpt_path}, continue with --resume auto")
     if run_log is not None:
         run_log.close(exit_code)
+    if world_size > 1:
+        # torchrun ends the job when a rank exits with a nonzero code (130 after a signal): no rank leaves
+        # before rank 0 has written its checkpoint and closed its log.
+        dist.barrier()
+        dist.destroy_process_group()
     return exit_code
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import wandb
 from wandb.proto import wandb_internal_pb2
 
 import train
@@ -46,7 +47,10 @@ def run(tmp_path, monkeypatch, data_path):
 
     go.out = tmp_path / "out"
     go.wandb_dir = tmp_path / "wandb"
-    return go
+    # wandb reads WANDB_DIR once per process, at its first setup: reset it so this test's dir counts.
+    wandb.teardown()
+    yield go
+    wandb.teardown()
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -64,7 +68,7 @@ def read_wandb_log(path: Path) -> list:
             pos += block - pos % block
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0:  # zero fill after the last record
+        if kind == 0 or pos + 7 + length > len(data):  # zero fill, or a record still being written
             break
         payload += data[pos + 7:pos + 7 + length]
         pos += 7 + length
@@ -76,11 +80,22 @@ def read_wandb_log(path: Path) -> list:
     return records
 
 
+def wandb_records(run_dir: Path, timeout: float = 60.0) -> list:
+    """The run's records once its exit record is on disk: wandb's service process writes the log on its
+    own schedule, and on a loaded machine run.finish() can return before the last records land."""
+    (log,) = run_dir.glob("run-*.wandb")
+    deadline = time.monotonic() + timeout
+    while True:
+        records = read_wandb_log(log)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
 def wandb_history(run_dir: Path) -> list[dict]:
     """The logged rows of an offline run; a media value (table, html) is the dict describing its file."""
-    (log,) = run_dir.glob("run-*.wandb")
     rows = []
-    for record in read_wandb_log(log):
+    for record in wandb_records(run_dir):
         if record.WhichOneof("record_type") == "history":
             row = {}
             for item in record.history.item:
