@@ -228,6 +228,8 @@ def build_cupy_naive(case, keep):
 def build_fla(case, keep, chunked):
     """flash-linear-attention's Triton "based" kernels: causal 1 + x + x²/2 with x = scale·q·k.
     We pass scale = d^-0.5 = 1/temperature of ours, so both compute the same function."""
+    if case.device != "cuda":
+        raise NotRun("fla based kernels are Triton kernels and run on CUDA devices only")
     if not case.causal:
         raise NotRun("fla based kernels are causal only")
     if keep is not None:
