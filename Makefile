@@ -2,7 +2,7 @@ PYTHON ?= python3
 # Extra arguments for train/bench, e.g. make train ARGS="--attention cosine --use-cuda-kernel"
 ARGS ?=
 
-.PHONY: install train train-tiny test test-gpu bench clean
+.PHONY: install train train-tiny test test-gpu bench compare context-limit clean
 
 install:  ## dependencies + this package (builds the CUDA kernels where torch has CUDA and nvcc exists)
 	$(PYTHON) -m pip install -r requirements.txt
@@ -22,6 +22,12 @@ test-gpu:  ## only the GPU-marked tests (needs a CUDA GPU)
 
 bench:  ## kernels vs baselines on the seeds' shapes (needs a CUDA GPU)
 	$(PYTHON) benchmark.py --preset seeds --json bench/results_seeds.json $(ARGS)
+
+compare:  ## softmax vs cosine vs fastmax at several context lengths on one token budget -> bench/compare/
+	$(PYTHON) compare.py --data-path ../shared/data/enwik8-first4mb $(ARGS)
+
+context-limit:  ## longest context one training step fits per attention (batch 1, configs/base) -> bench/context_limit.*
+	$(PYTHON) scripts/context_limit.py $(ARGS)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache attention_cuda/*.so
