@@ -1,5 +1,9 @@
 import pytest
 import torch
+import wandb
+
+import train
+from helpers import ENWIK8_4MB, TINY
 
 
 def pytest_collection_modifyitems(config, items):
@@ -10,3 +14,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def data_path(tmp_path_factory) -> str:
+    if ENWIK8_4MB.is_file():
+        return str(ENWIK8_4MB)
+    path = tmp_path_factory.mktemp("data") / "synthetic"
+    path.write_bytes(b"".join(b"<page><title>Item %d</title><text>The value is %d.</text></page>\n" % (i, i * i % 97)
+                              for i in range(4000)))
+    return str(path)
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch, data_path):
+    """main() in-process, writing under tmp_path, with wandb offline and isolated there."""
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+    def go(*args: str) -> int:
+        return train.main([*TINY, "--data-path", data_path, "--out_dir", str(tmp_path / "out"), *args])
+
+    go.out = tmp_path / "out"
+    go.wandb_dir = tmp_path / "wandb"
+    # wandb reads WANDB_DIR once per process, at its first setup: reset it so this test's dir counts.
+    wandb.teardown()
+    yield go
+    wandb.teardown()

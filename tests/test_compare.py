@@ -8,7 +8,7 @@ import pytest
 
 import compare
 import train
-from test_train import REPO, data_path  # noqa: F401 (a fixture)
+from helpers import REPO
 
 spec = importlib.util.spec_from_file_location("context_limit", REPO / "scripts" / "context_limit.py")
 context_limit = importlib.util.module_from_spec(spec)

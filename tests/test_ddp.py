@@ -15,7 +15,7 @@ import torch
 import train
 from data import RandomWindowSampler, load_enwik8
 from model import GPT
-from test_train import REPO, TINY, data_path, read_jsonl, run  # noqa: F401 (data_path and run are fixtures)
+from helpers import REPO, TINY, read_jsonl
 
 # One micro-step per rank and step; 10 final eval windows in batches of 4, 4 and 2 give rank 0 six
 # windows and rank 1 four, so a mean of the ranks' means would differ from the exact value.

@@ -10,51 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import wandb
 from wandb.proto import wandb_internal_pb2
 
 import train
+from helpers import REPO, TINY, read_jsonl
 
-REPO = Path(__file__).resolve().parents[1]
-ENWIK8_4MB = REPO.parent / "shared" / "data" / "enwik8-first4mb"
-TINY = ["--config", str(REPO / "configs" / "tiny_cpu"), "--n_layer", "1", "--n_head", "2", "--n_embd", "32",
-        "--seq_len", "32", "--batch_size", "4", "--warmup_iters", "2", "--lr", "3e-3", "--dropout", "0.1",
-        "--eval_interval", "10", "--eval_max_windows", "4", "--final_eval_max_windows", "8",
-        "--sample_tokens", "8", "--ckpt_interval", "10", "--device", "cpu", "--wandb-mode", "offline"]
 STEP_KEYS = {"train/loss", "train/bpc", "lr", "grad_norm", "perf/tokens_per_s", "perf/step_ms", "perf/peak_mem_gib"}
 EVAL_KEYS = {"val/loss", "val/bpc", "val/sample", "val/bpc_by_position"}
-
-
-@pytest.fixture
-def data_path(tmp_path_factory) -> str:
-    if ENWIK8_4MB.is_file():
-        return str(ENWIK8_4MB)
-    path = tmp_path_factory.mktemp("data") / "synthetic"
-    path.write_bytes(b"".join(b"<page><title>Item %d</title><text>The value is %d.</text></page>\n" % (i, i * i % 97)
-                              for i in range(4000)))
-    return str(path)
-
-
-@pytest.fixture
-def run(tmp_path, monkeypatch, data_path):
-    """main() in-process, writing under tmp_path, with wandb offline and isolated there."""
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-
-    def go(*args: str) -> int:
-        return train.main([*TINY, "--data-path", data_path, "--out_dir", str(tmp_path / "out"), *args])
-
-    go.out = tmp_path / "out"
-    go.wandb_dir = tmp_path / "wandb"
-    # wandb reads WANDB_DIR once per process, at its first setup: reset it so this test's dir counts.
-    wandb.teardown()
-    yield go
-    wandb.teardown()
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def read_wandb_log(path: Path) -> list:
