@@ -125,11 +125,15 @@ def _use_cuda(call: _Call, causal: bool, policy: ScorePolicy, backend: str, unsu
     return reason is None
 
 
-def _attend(call: _Call, causal: bool, policy: ScorePolicy, backend: str) -> torch.Tensor:
-    if _use_cuda(call, causal, policy, backend, None):
+def _attend(call: _Call, causal: bool, policy: ScorePolicy, backend: str, *, unsupported: str | None = None,
+            dropout: float = 0.0, linear: bool = False) -> torch.Tensor:
+    """Run on the kernels when the backend resolves to them, else on the matching reference."""
+    if _use_cuda(call, causal, policy, backend, unsupported):
         out = _kernels()[0].attention(call.q, call.k, call.v, call.mask, call.bias, causal, policy)
+    elif linear:
+        out = reference.fastmax_linear(call.q, call.k, call.v, call.mask, causal, policy)
     else:
-        out = reference.quadratic(call.q, call.k, call.v, call.mask, call.bias, causal, policy)
+        out = reference.quadratic(call.q, call.k, call.v, call.mask, call.bias, causal, policy, dropout)
     return call.restore(out)
 
 
@@ -171,7 +175,8 @@ def fastmax_attention(q, k, v, *, causal=False, mask=None, p=2, a0=1.0, a1=1.0, 
     no future token can change a past output). Coefficients that let f go negative on reachable
     logits are rejected. ``dropout`` drops normalised weights (quadratic form only; the kernels and
     the linear form do not implement it). ``form``: "quadratic" materialises weights tile by tile,
-    "linear" carries moments of k (O(N) time and memory); "auto" picks by sequence length.
+    "linear" carries moments of k (O(N) time and memory); "auto" takes the kernels' quadratic form
+    where they run, else the form with fewer FLOPs at this sequence length.
     """
     call = _canonicalize(q, k, v, mask)
     policy = poly_policy(p, a0, a1, a2, temperature, normalize, lim)
@@ -182,18 +187,16 @@ def fastmax_attention(q, k, v, *, causal=False, mask=None, p=2, a0=1.0, a1=1.0, 
     if dropout > 0 and form == "linear":
         raise NotImplementedError("dropout: the linear form cannot drop individual weights; "
                                   "use form='quadratic' or dropout=0")
+    no_dropout = "dropout: the kernels do not implement dropout (use dropout=0 or backend='torch')"
+    unsupported = no_dropout if dropout > 0 else None
     if form == "auto":
+        # The kernels run the quadratic form tile by tile in O(N) memory, far faster than the PyTorch
+        # linear form; until a linear-form kernel exists they take it at every length. On the PyTorch
+        # reference the form with fewer FLOPs wins (dropout exists only in the quadratic form).
+        on_kernels = backend != "torch" and _use_cuda(call, causal, policy, "auto", unsupported)
         linear = call.k.shape[2] > fastmax_flops_crossover(call.q.shape[-1], p)
-        form = "linear" if linear and dropout == 0 else "quadratic"
-    unsupported = None
-    if dropout > 0:
-        unsupported = "dropout: the kernels do not implement dropout (use dropout=0 or backend='torch')"
-    elif form == "linear":
+        form = "linear" if linear and dropout == 0 and not on_kernels else "quadratic"
+    if form == "linear" and unsupported is None:
         unsupported = "form='linear': the linear-form kernels are not built yet (use form='quadratic')"
-    if _use_cuda(call, causal, policy, backend, unsupported):
-        out = _kernels()[0].attention(call.q, call.k, call.v, call.mask, None, causal, policy)
-    elif form == "linear":
-        out = reference.fastmax_linear(call.q, call.k, call.v, call.mask, causal, policy)
-    else:
-        out = reference.quadratic(call.q, call.k, call.v, call.mask, None, causal, policy, dropout)
-    return call.restore(out)
+    return _attend(call, causal, policy, backend, unsupported=unsupported, dropout=dropout,
+                   linear=form == "linear")

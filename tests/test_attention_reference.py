@@ -274,3 +274,25 @@ def test_bias_shape_and_backend_errors():
         cosine_sim_attention(x, x, x, backend="cuda")
     # "auto" on CPU tensors runs the reference
     torch.testing.assert_close(cosine_sim_attention(x, x, x), cosine_sim_attention(x, x, x, backend="torch"))
+
+
+def test_fastmax_auto_form_on_the_kernels_is_quadratic_at_any_length(monkeypatch):
+    """Where the kernels run, "auto" takes their tiled quadratic form; a long sequence must not
+    land on the linear form, which has no kernel yet."""
+    from types import SimpleNamespace
+
+    from attention_cuda import functional
+    calls = []
+    fake = SimpleNamespace(unavailable_reason=lambda: None,
+                           unsupported_reason=lambda *a: None,
+                           attention=lambda q, k, v, mask, bias, causal, policy: calls.append(q.shape) or q)
+    monkeypatch.setattr(functional, "_kernels", lambda: (fake, None))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    x = torch.randn(1, 1, functional.fastmax_flops_crossover(4, 2) + 1, 4)
+    fastmax_attention(x, x, x, causal=True)
+    fastmax_attention(x, x, x, causal=True, backend="cuda")
+    assert len(calls) == 2
+    with pytest.raises(NotImplementedError, match="linear"):
+        fastmax_attention(x, x, x, backend="cuda", form="linear")
+    with pytest.raises(NotImplementedError, match="dropout"):
+        fastmax_attention(x, x, x, backend="cuda", dropout=0.1)
