@@ -82,7 +82,7 @@ int_list.__name__ = "comma-separated positive int"
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(options, train.py flags given after --), or exit 2 naming the bad argument."""
-    ours, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ours, extra = train.split_train_flags(argv)
     parser = argparse.ArgumentParser(prog="compare.py", description=__doc__.split("\n\n")[0],
                                      usage="compare.py [options] [-- train.py flags]")
     parser.add_argument("--config", default="configs/base", help="train.py config for every run (default %(default)s)")
@@ -108,23 +108,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--dry-run", action="store_true", help="print the plan and the commands; run nothing")
     args = parser.parse_args(ours)
 
-    args.attentions = args.attentions.split(",")
-    unknown = [a for a in args.attentions if a not in ATTENTIONS]
-    if unknown:
-        parser.error(f"--attentions: expected a comma list of {', '.join(ATTENTIONS)}, got {', '.join(unknown)!r}")
-    for name in ("tokens", "tokens_per_step", "evals", "eval_tokens", "time_limit"):
-        if not getattr(args, name) > 0:
-            parser.error(f"--{name.replace('_', '-')}: expected > 0, got {getattr(args, name)}")
+    args.attentions = train.choice_list(parser, "--attentions", args.attentions, ATTENTIONS)
+    train.require_positive(parser, args, ("tokens", "tokens_per_step", "evals", "eval_tokens", "time_limit"))
     if args.tokens % args.tokens_per_step:
         parser.error(f"--tokens: expected a multiple of --tokens-per-step={args.tokens_per_step}, got {args.tokens}")
     bad = [t for t in args.seq_lens if args.tokens_per_step % t]
     if bad:
         parser.error(f"--seq-lens: each must divide --tokens-per-step={args.tokens_per_step} (batch = tokens per "
                      f"step / seq_len), not {', '.join(map(str, bad))}")
-    for flag in extra:
-        name = flag[2:].split("=")[0].replace("-", "_") if flag.startswith("--") else None
-        if name in CONTROLLED:
-            parser.error(f"{flag.split('=')[0]} after --: compare.py sets it for every run (see its own options)")
+    train.refuse_train_flags(parser, extra, CONTROLLED, "sets it for every run (see its own options)")
     args.wandb_group = args.wandb_group or time.strftime("compare-%Y%m%d-%H%M%S")
     return args, extra
 
@@ -191,12 +183,12 @@ def summarize(metrics_path: Path, tokens_per_step: int, steps: int) -> dict:
 
 def execute(run: Run, run_dir: Path, log_path: Path, time_limit: float, steps: int, tokens_per_step: int) -> None:
     """Run train.py, its output to log_path; fill in run's status, exit code, wall time and summary."""
+    command = [sys.executable, str(ROOT / "train.py"), *run.argv]
     t0 = time.monotonic()
     with open(log_path, "w") as log:
-        log.write(shlex.join([sys.executable, str(ROOT / "train.py"), *run.argv]) + "\n")
+        log.write(shlex.join(command) + "\n")
         log.flush()
-        proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *run.argv], stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
             proc.wait(timeout=time_limit)
             timed_out = False

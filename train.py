@@ -85,7 +85,7 @@ class TrainConfig(GPTConfig):
     eval_interval: int = 500  # steps between evaluations on val
     eval_max_windows: int | None = 64  # windows per periodic eval (None = the whole split)
     final_eval_max_windows: int | None = None  # windows per split at the end (None = the whole split)
-    sample_tokens: int = 256  # bytes generated at each evaluation
+    sample_tokens: int = 256  # bytes generated at each evaluation (0 = no sample)
     ckpt_interval: int = 1000  # steps between checkpoints (one is always saved at the end)
     device: str = "auto"  # auto = cuda if available, else cpu
     dtype: str = "auto"  # auto = bfloat16 autocast on CUDA, float32 on CPU
@@ -275,7 +275,48 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, str | None]:
     return cfg, resume
 
 
+# ----------------------------------------------------------------------------- for scripts that drive train.py
+# compare.py and scripts/context_limit.py take their own options, then train.py flags after `--`.
+
+def split_train_flags(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the driver's own arguments, the train.py flags after --)."""
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
+def refuse_train_flags(parser: argparse.ArgumentParser, extra: list[str], fields, why: str) -> None:
+    """parser.error for a train.py flag in extra that sets one of fields, which the driver sets itself."""
+    for flag in extra:
+        name = flag[2:].split("=")[0].replace("-", "_") if flag.startswith("--") else None
+        if name in fields:
+            parser.error(f"{flag.split('=')[0]} after --: {parser.prog} {why}")
+
+
+def choice_list(parser: argparse.ArgumentParser, flag: str, text: str, choices) -> list[str]:
+    """text's comma-separated items, or parser.error naming the ones not among choices."""
+    values = text.split(",")
+    unknown = [v for v in values if v not in choices]
+    if unknown:
+        parser.error(f"{flag}: expected a comma list of {', '.join(choices)}, got {', '.join(map(repr, unknown))}")
+    return values
+
+
+def require_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, names) -> None:
+    """parser.error for the first of the named options that is set (not None) and not > 0."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            parser.error(f"--{name.replace('_', '-')}: expected > 0, got {value}")
+
+
 # ----------------------------------------------------------------------------- pieces of the loop
+
+def autocast_for(device: torch.device, dtype: torch.dtype):
+    """What every forward runs under: autocast to a lower precision, or nothing in fp32."""
+    return torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate for 0-based step: linear warmup, then cosine decay to min_lr at lr_decay_iters."""
@@ -447,10 +488,10 @@ class RunLog:
         kept = [line for line in path.read_text().splitlines(keepends=True)
                 if line.endswith("\n") and json.loads(line)["step"] <= start_step] if path.exists() else []
         path.write_text("".join(kept))
-        self.jsonl = open(path, "a")
         self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.run_name, group=cfg.wandb_group,
                                 tags=[t for t in cfg.wandb_tags.split(",") if t], config=asdict(cfg),
                                 mode=resolve_wandb_mode(cfg), id=run_id, resume="allow" if run_id else None)
+        self.jsonl = open(path, "a")  # after wandb.init, which can fail, so that a failure leaks no file
 
     def log(self, step: int, metrics: dict, wandb_extra: dict | None = None) -> None:
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -553,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"of all processes together), got {cfg.grad_accum_steps}")
     micro_steps = cfg.grad_accum_steps // world_size
     device, dtype = setup_device(cfg, local_rank, world_size)
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+    autocast = autocast_for(device, dtype)
     run_dir = Path(cfg.out_dir) / cfg.run_name
     ckpt_path = run_dir / "ckpt.pt"
     ckpt = checkpoint_to_resume(cfg, resume, ckpt_path, world_size)
@@ -570,6 +611,12 @@ def main(argv: list[str] | None = None) -> int:
         usage_error(str(err))
     if rank == 0 and world_size > 1:
         dist.barrier()
+    # Checked here, not left to the sampler and the first evaluation: a short val split would only fail
+    # after eval_interval steps of training.
+    for name, split in splits.items():
+        if len(split) <= cfg.seq_len:
+            usage_error(f"seq_len: {cfg.seq_len} needs windows of seq_len + 1 bytes, but the {name} split of the "
+                        f"data has {len(split):,}")
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     # Per rank, so that ranks draw different dropout masks; DDP gives every rank rank 0's initial weights.
@@ -619,8 +666,9 @@ def main(argv: list[str] | None = None) -> int:
     def log_eval(step: int, split: str, max_windows: int | None, with_sample: bool) -> None:
         loss, curve = evaluate(model, splits[split], cfg, device, autocast, max_windows, rank, world_size)
         if rank == 0:
+            # With sample_tokens = 0 the "sample" would be the prompt alone.
             sample = (sample_text(model, prompt, cfg.sample_tokens, device, autocast, cfg.seed + step)
-                      if with_sample else None)
+                      if with_sample and cfg.sample_tokens else None)
             run_log.log_eval(step, split, loss, curve, sample)
             tqdm.write(f"step {step}: {split} bpc {loss / math.log(2):.4f}"
                        + (f"\n--- sample ---\n{sample}\n--------------" if sample else ""))

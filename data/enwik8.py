@@ -109,9 +109,13 @@ def download_enwik8(cache_dir: str | Path = DEFAULT_CACHE_DIR, url: str = ENWIK8
             raise DataError(f"cached {target} does not have md5 {md5}: delete it to download again. {hint}")
         log(f"enwik8: using cached {target}")
         return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
     log(f"enwik8: downloading {url} into {cache_dir}")
-    with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".enwik8-download-") as work:
+    try:  # e.g. inside a read-only container image, where --data-path is the way
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        workspace = tempfile.TemporaryDirectory(dir=cache_dir, prefix=".enwik8-download-")
+    except OSError as err:
+        raise DataError(f"cannot write the enwik8 cache in {cache_dir}: {err}. {hint}") from err
+    with workspace as work:
         zip_path, raw_path = Path(work) / "enwik8.zip", Path(work) / "enwik8"
         try:
             _fetch(url, zip_path, zip_sha256)

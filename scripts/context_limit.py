@@ -25,7 +25,6 @@ variants it cuts short report the bounds found so far. Writes --out.json (every 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import shlex
@@ -90,7 +89,7 @@ def one_step(cfg: train.TrainConfig, memory_cap_gib: float | None) -> dict:
     if memory_cap_gib is not None and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap_gib * 2**30 / total), device)
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+    autocast = train.autocast_for(device, dtype)
     result = {"hardware": hardware, "dtype": str(dtype).removeprefix("torch.")}
     peak_before = train.peak_memory_gib(device)
     try:
@@ -145,7 +144,7 @@ def attempt(variant: str, seq_len: int, args, extra: list[str], timeout: float) 
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    ours, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ours, extra = train.split_train_flags(argv)
     parser = argparse.ArgumentParser(prog="context_limit.py", description=__doc__.split("\n\n")[0],
                                      usage="context_limit.py [options] [-- train.py flags]")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma list of {', '.join(VARIANTS)}")
@@ -162,13 +161,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--out", default=str(ROOT / "bench" / "context_limit"), help="writes OUT.json and OUT.md")
     parser.add_argument("--attempt", type=int, default=None, metavar="SEQ_LEN", help=argparse.SUPPRESS)
     args = parser.parse_args(ours)
-    args.variants = args.variants.split(",")
-    unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown:
-        parser.error(f"--variants: expected a comma list of {', '.join(VARIANTS)}, got {', '.join(unknown)}")
-    for name in ("start", "max_seq_len", "granularity", "timeout", "time_limit"):
-        if not getattr(args, name) > 0:
-            parser.error(f"--{name.replace('_', '-')}: expected > 0, got {getattr(args, name)}")
+    args.variants = train.choice_list(parser, "--variants", args.variants, VARIANTS)
+    train.require_positive(parser, args, ("start", "max_seq_len", "granularity", "timeout", "time_limit",
+                                          "memory_cap_gib"))
     for name in ("start", "max_seq_len"):
         if getattr(args, name) % args.granularity:
             parser.error(f"--{name.replace('_', '-')}: expected a multiple of --granularity={args.granularity}, "
@@ -177,12 +172,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"--start: expected <= --max-seq-len={args.max_seq_len}, got {args.start}")
     if not 0 <= args.rel_tolerance < 1:
         parser.error(f"--rel-tolerance: expected in [0, 1), got {args.rel_tolerance}")
-    if args.memory_cap_gib is not None and not args.memory_cap_gib > 0:
-        parser.error(f"--memory-cap-gib: expected > 0, got {args.memory_cap_gib}")
-    for flag in extra:
-        name = flag[2:].split("=")[0].replace("-", "_") if flag.startswith("--") else None
-        if name in ("attention", "seq_len", "batch_size", "device", "use_cuda_kernel"):
-            parser.error(f"{flag.split('=')[0]} after --: context_limit.py sets it for each attempt")
+    train.refuse_train_flags(parser, extra, ("attention", "seq_len", "batch_size", "device", "use_cuda_kernel"),
+                             "sets it for each attempt")
     return args, extra
 
 

@@ -81,6 +81,22 @@ def test_compare_bad_arguments_are_usage_errors(capsys, args, expected):
     assert expected in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["--variants", "cosine,linear"], "--variants: expected a comma list of softmax, cosine"),
+    (["--granularity", "0"], "--granularity: expected > 0, got 0"),
+    (["--memory-cap-gib", "-1"], "--memory-cap-gib: expected > 0, got -1.0"),
+    (["--start", "1536"], "--start: expected a multiple of --granularity=1024"),
+    (["--start", "4096", "--max-seq-len", "2048"], "--start: expected <= --max-seq-len=2048"),
+    (["--rel-tolerance", "1"], "--rel-tolerance: expected in [0, 1)"),
+    (["--", "--seq-len=64"], "--seq-len after --: context_limit.py sets it for each attempt"),
+])
+def test_context_limit_bad_arguments_are_usage_errors(capsys, args, expected):
+    with pytest.raises(SystemExit) as exc:
+        context_limit.main(args)
+    assert exc.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
 def test_compare_time_limit_stops_runs_and_still_reports(tmp_path, data_path):
     out = tmp_path / "report"
     assert compare.main([*TINY_COMPARE, "--data-path", data_path, "--runs-dir", str(tmp_path / "runs"),

@@ -102,6 +102,13 @@ def test_bad_download_raises_and_leaves_nothing(server, tmp_path, body, length, 
     assert list(cache.iterdir()) == []
 
 
+def test_unwritable_cache_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where the cache's parent folder should be: no user can create it
+    with pytest.raises(DataError, match=r"cannot write the enwik8 cache in .*file/cache: .*pass --data-path"):
+        load_enwik8(cache_dir=blocker / "cache", url="http://127.0.0.1:9/enwik8.zip", log=lambda msg: None)
+
+
 def test_http_error_is_clear(server, tmp_path):
     base, _, _ = server
     with pytest.raises(DataError, match="HTTP 404") as err:

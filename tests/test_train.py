@@ -111,6 +111,12 @@ def test_training_learns_and_logs_to_jsonl_and_wandb(run):
     assert [f.name for f in run_dir.iterdir() if f.name.endswith(".tmp")] == []
 
 
+def test_sample_tokens_zero_logs_no_sample(run):
+    assert run("--max_iters", "2", "--eval_interval", "1", "--sample_tokens", "0", "--run_name", "r") == 0
+    evals = [r for r in read_jsonl(run.out / "r" / "metrics.jsonl") if "val/bpc" in r]
+    assert [r["step"] for r in evals] == [1, 2] and not any("val/sample" in r for r in evals)
+
+
 def test_resume_reproduces_the_uninterrupted_run_bit_exactly(run):
     assert run("--max_iters", "10", "--lr_decay_iters", "10", "--run_name", "straight") == 0
     assert run("--max_iters", "5", "--lr_decay_iters", "10", "--run_name", "split") == 0
@@ -158,6 +164,17 @@ def test_bad_input_is_a_usage_error_naming_the_problem(run, capsys, args, expect
         run(*args)
     assert exc.value.code == 2
     assert expected in capsys.readouterr().err
+
+
+def test_a_split_shorter_than_a_window_is_refused_before_training(run, capsys, tmp_path):
+    small = tmp_path / "small"
+    small.write_bytes(bytes(range(256)) * 400)  # 102,400 bytes: train 92,160, val and test 5,120 each
+    with pytest.raises(SystemExit) as exc:
+        run("--data-path", str(small), "--seq_len", "8192", "--run_name", "r")
+    assert exc.value.code == 2
+    assert "seq_len: 8192 needs windows of seq_len + 1 bytes, but the val split of the data has 5,120" \
+        in capsys.readouterr().err
+    assert not (run.out / "r").exists()
 
 
 @pytest.mark.parametrize("line, expected", [
