@@ -630,7 +630,10 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.load_state_dict(ckpt["optimizer"])
         sampler.load_state_dict(ckpt["sampler"])
         set_rng_states(ckpt["rng"][rank], device)
-        start_step, run_id = ckpt["step"], ckpt["wandb_run_id"]
+        start_step = ckpt["step"]
+        # A resume under another run name is a new wandb run (a fork), not more rows in the old one.
+        if ckpt["config"]["run_name"] == cfg.run_name:
+            run_id = ckpt["wandb_run_id"]
     # DDP averages the gradients over ranks during backward, in buckets that overlap the computation.
     ddp = (DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
            if world_size > 1 else None)

@@ -256,3 +256,13 @@ def test_sigterm_saves_a_checkpoint_and_exits_130(tmp_path, data_path):
     assert "stopped by SIGTERM" in output
     last_step = read_jsonl(metrics)[-1]["step"]
     assert torch.load(out / "r" / "ckpt.pt", weights_only=False)["step"] == last_step
+
+
+def test_resume_under_another_run_name_starts_a_new_wandb_run(run):
+    assert run("--max_iters", "4", "--lr_decay_iters", "4", "--run_name", "a") == 0
+    assert run("--max_iters", "4", "--lr_decay_iters", "4", "--run_name", "a", "--resume", "auto") == 0
+    assert run("--max_iters", "6", "--lr_decay_iters", "4", "--run_name", "b",
+               "--resume", str(run.out / "a" / "ckpt.pt")) == 0
+    # offline-run-<time>-<id>, and -<n> after it when a run id is resumed in the same second
+    ids = [d.name.split("-")[3] for d in run.wandb_dir.glob("offline-run-*")]
+    assert len(ids) == 3 and len(set(ids)) == 2  # the resume of "a" continues its run, "b" is new
