@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .score import KINDS, ScorePolicy
+from .score import ScorePolicy
 
 CSRC = Path(__file__).parent / "csrc"
 HEAD_DIMS = (16, 32, 64, 96, 128)
@@ -83,34 +83,23 @@ def unavailable_reason() -> str | None:
 
 
 def unsupported_reason(q, k, v, mask, bias, causal, policy: ScorePolicy) -> str | None:
-    """None if the kernels take this call, else why (the functional layer raises it or falls back)."""
+    """None if the kernels take this call, else why (the functional layer raises it or falls back).
+
+    Takes what functional._canonicalize produced, which already checked shapes, devices, the mask and
+    the bias against each other; what is left are the kernels' own limits.
+    """
     reason = unavailable_reason()
     if reason is not None:
         return reason
-    if not q.is_cuda:
-        return f"q: expected a CUDA tensor, got device {q.device}"
-    for name, t in (("k", k), ("v", v), ("mask", mask), ("attn_bias", bias)):
-        if t is not None and t.device != q.device:
-            return f"{name}: expected device {q.device}, got {t.device}"
     dtype = _run_dtype(q)
     if dtype not in DTYPES:
         return f"q: dtype {dtype} is not supported by the kernels (float16, bfloat16, float32)"
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return "q, k, v: the kernels take (b, h, i, d) and (b, h_kv, j, d)"
     d = q.shape[-1]
     if d not in HEAD_DIMS:
         return f"q: head dim {d} is not supported by the kernels (one of {HEAD_DIMS})"
     if d not in _head_dims[dtype]:
         return (f"q: head dim {d} is not compiled for {dtype} in this build (compiled: {_head_dims[dtype]}); "
                 "rebuild without ATTN_HEADDIMS / ATTN_DTYPES")
-    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[-1] != d or q.shape[1] % k.shape[1]:
-        return f"k, v: shapes {tuple(k.shape)}, {tuple(v.shape)} do not fit q {tuple(q.shape)}"
-    if policy.kind not in KINDS:
-        return f"policy: unknown kind {policy.kind!r}"
-    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (q.shape[0], k.shape[2])):
-        return f"mask: the kernels take a bool (b, j) mask, got {mask.dtype} {tuple(mask.shape)}"
-    if bias is not None and tuple(bias.shape) != (q.shape[0], q.shape[1], q.shape[2], k.shape[2]):
-        return f"attn_bias: the kernels take (b, h, i, j) (an expanded view is fine), got {tuple(bias.shape)}"
     return None
 
 
