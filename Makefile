@@ -2,7 +2,7 @@ PYTHON ?= python3
 # Extra arguments for train/bench, e.g. make train ARGS="--attention cosine --use-cuda-kernel"
 ARGS ?=
 
-.PHONY: install train train-tiny test test-gpu bench compare context-limit clean
+.PHONY: install train train-tiny test test-gpu bench compare context-limit throughput clean
 
 install:  ## dependencies + this package (builds the CUDA kernels where torch has CUDA and nvcc exists)
 	$(PYTHON) -m pip install -r requirements.txt
@@ -28,6 +28,9 @@ compare:  ## softmax vs cosine vs fastmax at several context lengths on one toke
 
 context-limit:  ## longest context one training step fits per attention (batch 1, configs/base) -> bench/context_limit.*
 	$(PYTHON) scripts/context_limit.py $(ARGS)
+
+throughput:  ## training tokens/s and peak memory per attention and context length (one process) -> bench/throughput.*
+	$(PYTHON) scripts/throughput.py $(ARGS)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache attention_cuda/*.so

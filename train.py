@@ -11,8 +11,10 @@ metrics.jsonl (one JSON object per step and per evaluation) and ckpt.pt.
 
 ``--resume auto`` continues from out/<run_name>/ckpt.pt when there is one (else starts fresh);
 ``--resume PATH`` from that checkpoint. A resumed run reproduces the uninterrupted one exactly (bit for
-bit on CPU). SIGINT or SIGTERM finishes the current step, saves a checkpoint and exits with code 130;
-a second SIGINT interrupts at once. Exit code 0: training finished; 2: bad command line or config.
+bit on CPU); resuming a run that has reached max_iters does nothing. SIGINT or SIGTERM finishes the
+current step and the evaluation due after it, saves a checkpoint and exits with code 130 (or 0 when that
+step was the last: the run is then finished); a second SIGINT interrupts at once. Exit code 0: training
+finished; 2: bad command line or config.
 
 Under torchrun (WORLD_SIZE > 1) each process trains a DistributedDataParallel replica on its own GPU (or
 CPU, over gloo) and draws its own random windows. grad_accum_steps counts the micro-steps of all processes
@@ -598,6 +600,13 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(cfg.out_dir) / cfg.run_name
     ckpt_path = run_dir / "ckpt.pt"
     ckpt = checkpoint_to_resume(cfg, resume, ckpt_path, world_size)
+    if ckpt is not None and ckpt["step"] >= cfg.max_iters:
+        # Nothing left to train. A checkpoint is written after its step's evaluations, so a finished run's
+        # final ones are logged already: running them again would log them twice.
+        if rank == 0:
+            print(f"{cfg.run_name}: already complete: the checkpoint is at step {ckpt['step']}, max_iters is "
+                  f"{cfg.max_iters}; nothing to do (a larger --max_iters trains on)")
+        return 0
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
@@ -715,17 +724,20 @@ def main(argv: list[str] | None = None) -> int:
                     metrics["perf/mfu"] = flops_per_token * tokens_per_step / dt / (peak * world_size)
                 run_log.log(step, metrics)
                 bar.set_postfix(bpc=f"{metrics['train/bpc']:.3f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}")
-            if step < cfg.max_iters and not stopping:  # else the checkpoint below is this step's
+            # A stop still runs the evaluation due at this step: a resume starts after the checkpointed
+            # step and would never log it.
+            if step < cfg.max_iters:
                 if step % cfg.eval_interval == 0:
                     log_eval(step, "val", cfg.eval_max_windows, with_sample=True)
-                if step % cfg.ckpt_interval == 0:
+                if step % cfg.ckpt_interval == 0 and not stopping:  # else the checkpoint below is this step's
                     checkpoint(step)
         bar.close()
-        if not stopping:
+        finished = step == cfg.max_iters
+        if finished:
             log_eval(step, "val", cfg.final_eval_max_windows, with_sample=True)
             log_eval(step, "test", cfg.final_eval_max_windows, with_sample=False)
         checkpoint(step)
-        if stopping:
+        if not finished:
             exit_code = EXIT_STOPPED
             if rank == 0:
                 by = signal.Signals(stop.signum).name if stop.signum is not None else "a signal to another rank"

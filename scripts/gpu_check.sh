@@ -4,7 +4,8 @@
 #
 #   bash scripts/gpu_check.sh                       # everything
 #   ATTN_DTYPES=bf16 ATTN_HEADDIMS=64 bash scripts/gpu_check.sh    # a narrowed development build
-#   STEPS="build timing" bash scripts/gpu_check.sh  # a subset of: wheels build tests sanitizer timing profile suite bench
+#   STEPS="build timing" bash scripts/gpu_check.sh  # a subset of: wheels build tests sanitizer timing profile
+#                                                     suite bench throughput context compare
 #   TESTS="tests/test_cuda_kernels.py -k layouts"   # what pytest runs (default: every GPU test)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -162,6 +163,27 @@ if step bench; then
       || { echo "benchmark $preset failed"; status=1; }
     tail -n 40 "$OUT/bench_$preset.txt"
   done
+fi
+# Training-level runs (configs/base, bf16): the numbers bench/ keeps for the long-context issue.
+DATA=${DATA:-.carry/data/enwik8-first4mb}
+if step throughput; then
+  say "throughput.py ${THROUGHPUT_ARGS:-}"
+  # shellcheck disable=SC2086
+  python3 scripts/throughput.py --out "$OUT/throughput" ${THROUGHPUT_ARGS:-} > "$OUT/throughput.log" 2>&1 || status=1
+  tail -n 12 "$OUT/throughput.log"
+fi
+if step context; then
+  say "context_limit.py ${CONTEXT_ARGS:-}"
+  # shellcheck disable=SC2086
+  python3 scripts/context_limit.py --out "$OUT/context_limit" ${CONTEXT_ARGS:-} > "$OUT/context_limit.log" 2>&1 || status=1
+  tail -n 12 "$OUT/context_limit.log"
+fi
+if step compare; then
+  say "compare.py ${COMPARE_ARGS:-}"
+  # shellcheck disable=SC2086
+  python3 compare.py --data-path "$DATA" --wandb-mode offline --out "$OUT/compare" ${COMPARE_ARGS:-} \
+    > "$OUT/compare.log" 2>&1 || status=1
+  tail -n 25 "$OUT/compare.log"
 fi
 say "done (status $status)"
 exit $status

@@ -134,6 +134,41 @@ def test_resume_reproduces_the_uninterrupted_run_bit_exactly(run):
     assert split == straight  # exact float equality, steps 6-10 included
 
 
+def eval_rows(run_dir: Path) -> list[dict]:
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "val/bpc" in r or "test/bpc" in r]
+
+
+# Stopped where a periodic eval is due, and on the last step (which finishes the run, final evals included).
+@pytest.mark.parametrize("stop_step, code", [(10, 130), (20, 0)])
+def test_a_signal_on_an_eval_step_loses_no_eval(run, monkeypatch, stop_step, code):
+    args = ["--max_iters", "20", "--lr_decay_iters", "20", "--wandb-mode", "disabled"]
+    assert run(*args, "--run_name", "straight") == 0
+    lr_at = train.lr_at
+
+    def lr_at_then_sigterm(step, cfg):  # main() calls it as each 0-based step starts: the signal lands mid-step
+        if step + 1 == stop_step:
+            signal.raise_signal(signal.SIGTERM)
+        return lr_at(step, cfg)
+
+    with monkeypatch.context() as m:
+        m.setattr(train, "lr_at", lr_at_then_sigterm)
+        assert run(*args, "--run_name", "split") == code
+    assert torch.load(run.out / "split" / "ckpt.pt", weights_only=False)["step"] == stop_step
+    assert run(*args, "--run_name", "split", "--resume", "auto") == 0
+    straight = eval_rows(run.out / "straight")
+    assert [r["step"] for r in straight] == [10, 20, 20]  # periodic val; final val and test
+    assert eval_rows(run.out / "split") == straight
+
+
+def test_resuming_a_finished_run_logs_nothing(run, capsys):
+    assert run("--max_iters", "4", "--run_name", "r", "--wandb-mode", "disabled") == 0
+    metrics = (run.out / "r" / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert run("--max_iters", "4", "--run_name", "r", "--wandb-mode", "disabled", "--resume", "auto") == 0
+    assert (run.out / "r" / "metrics.jsonl").read_text() == metrics  # the final evals were not logged again
+    assert "already complete" in capsys.readouterr().out
+
+
 def test_existing_checkpoint_needs_resume_and_the_same_config(run, capsys):
     assert run("--max_iters", "2", "--run_name", "r") == 0
     with pytest.raises(SystemExit) as exc:
@@ -260,8 +295,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_130(tmp_path, data_path):
 
 def test_resume_under_another_run_name_starts_a_new_wandb_run(run):
     assert run("--max_iters", "4", "--lr_decay_iters", "4", "--run_name", "a") == 0
-    assert run("--max_iters", "4", "--lr_decay_iters", "4", "--run_name", "a", "--resume", "auto") == 0
-    assert run("--max_iters", "6", "--lr_decay_iters", "4", "--run_name", "b",
+    assert run("--max_iters", "6", "--lr_decay_iters", "4", "--run_name", "a", "--resume", "auto") == 0
+    assert run("--max_iters", "8", "--lr_decay_iters", "4", "--run_name", "b",
                "--resume", str(run.out / "a" / "ckpt.pt")) == 0
     # offline-run-<time>-<id>, and -<n> after it when a run id is resumed in the same second
     ids = [d.name.split("-")[3] for d in run.wandb_dir.glob("offline-run-*")]

@@ -361,28 +361,15 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(co
   }
 }
 
-template <class T, int D, class Policy>
-cudaError_t launch_bwd(const Params& p, cudaStream_t stream) {
-  using C = BwdConfig<T, D>;
-  constexpr int kSmem = BwdSmem<T, D>::kBytes;
-  const int64_t blocks = static_cast<int64_t>(cdiv(p.J, C::kCols)) * p.B * p.Hkv;
-  if (blocks == 0) return cudaSuccess;
-  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  auto kernel = bwd_kernel<T, D, Policy>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(blocks), C::kWarps * 32, kSmem, stream>>>(p);
-  return cudaGetLastError();
-}
-
+// One CTA per (key tile, batch, kv head).
 template <class T, int D>
 cudaError_t run_bwd(const Params& p, Score score, cudaStream_t stream) {
-  switch (score) {
-    case Score::kExpFixed: return launch_bwd<T, D, ExpScore<false>>(p, stream);
-    case Score::kExpRowMax: return launch_bwd<T, D, ExpScore<true>>(p, stream);
-    case Score::kPoly: return launch_bwd<T, D, PolyScore>(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  using C = BwdConfig<T, D>;
+  const int64_t blocks = static_cast<int64_t>(cdiv(p.J, C::kCols)) * p.B * p.Hkv;
+  return with_policy(score, [&](auto policy) {
+    return launch(bwd_kernel<T, D, typename decltype(policy)::type>, blocks, C::kWarps * 32, BwdSmem<T, D>::kBytes,
+                  p, stream);
+  });
 }
 
 }  // namespace attn

@@ -290,28 +290,15 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kWarps * 32) fwd_kernel(const
   }
 }
 
-template <class T, int D, class Policy>
-cudaError_t launch_fwd(const Params& p, cudaStream_t stream) {
-  using C = FwdConfig<T, D>;
-  constexpr int kSmem = FwdSmem<T, D>::kBytes;
-  const int64_t blocks = static_cast<int64_t>(cdiv(p.I, C::kRows)) * p.B * p.H;
-  if (blocks == 0) return cudaSuccess;
-  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  auto kernel = fwd_kernel<T, D, Policy>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(blocks), C::kWarps * 32, kSmem, stream>>>(p);
-  return cudaGetLastError();
-}
-
+// One CTA per (query tile, batch, head).
 template <class T, int D>
 cudaError_t run_fwd(const Params& p, Score score, cudaStream_t stream) {
-  switch (score) {
-    case Score::kExpFixed: return launch_fwd<T, D, ExpScore<false>>(p, stream);
-    case Score::kExpRowMax: return launch_fwd<T, D, ExpScore<true>>(p, stream);
-    case Score::kPoly: return launch_fwd<T, D, PolyScore>(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  using C = FwdConfig<T, D>;
+  const int64_t blocks = static_cast<int64_t>(cdiv(p.I, C::kRows)) * p.B * p.H;
+  return with_policy(score, [&](auto policy) {
+    return launch(fwd_kernel<T, D, typename decltype(policy)::type>, blocks, C::kWarps * 32, FwdSmem<T, D>::kBytes,
+                  p, stream);
+  });
 }
 
 }  // namespace attn

@@ -64,4 +64,33 @@ __device__ __forceinline__ float bias_at(const Params& p, const T* bias_bh, int 
 
 __host__ __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
 
+// ---------------------------------------------------------------------------------------------------
+// Host side. f(PolicyTag<P>{}) for the score policy P that `score` names: the forward and the backward
+// pick their kernel instantiation the same way.
+template <class P>
+struct PolicyTag {
+  using type = P;
+};
+template <class F>
+cudaError_t with_policy(Score score, F&& f) {
+  switch (score) {
+    case Score::kExpFixed: return f(PolicyTag<ExpScore<false>>{});
+    case Score::kExpRowMax: return f(PolicyTag<ExpScore<true>>{});
+    case Score::kPoly: return f(PolicyTag<PolyScore>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Launch kernel(p) on `blocks` CTAs (at most the grid's 2^31 - 1) with `smem` bytes of dynamic shared
+// memory, on `stream`; an empty grid is a no-op.
+template <class Kernel>
+cudaError_t launch(Kernel kernel, int64_t blocks, int threads, int smem, const Params& p, cudaStream_t stream) {
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
 }  // namespace attn
