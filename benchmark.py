@@ -67,6 +67,9 @@ PRESETS = {
                   causal=(False, True)),
     "fastmax-seeds": dict(family="fastmax", batch=[64], heads=[8], dim_head=[32, 64],
                           seq_lens=[1000, 10000], causal=(False, True), passes=("fwd",)),
+    # the linear form against the quadratic one (the crossover) and against fla, causal, to N = 65536
+    "fastmax-linear": dict(family="fastmax", batch=[4], heads=[8], dim_head=[32, 64],
+                           seq_lens=[2**i for i in range(11, 17)], causal=(True,)),
 }
 
 

@@ -142,6 +142,130 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, None, dbias if bias_grad else None, *([None] * 8)
 
 
+LINEAR_CHUNK = 128  # rows per chunk of the linear form: kLinChunk in csrc/params.h
+
+
+def linear_unsupported_reason(q) -> str | None:
+    """None if the linear-form kernel takes q's dtype and head dim, else why."""
+    dtype = _run_dtype(q)
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"q: the linear-form kernels take float16 and bfloat16, got {dtype} (use form='quadratic')"
+    return None
+
+
+def _extend(x: torch.Tensor) -> torch.Tensor:
+    """Rows x' = [x, 1, 0 ... 0] (D + 16 columns): the 1 carries the constant and first-order features."""
+    return torch.cat([x, torch.ones_like(x[..., :1]), x.new_zeros(*x.shape[:-1], 15)], dim=-1)
+
+
+def _chunk_major(x: torch.Tensor, n_pad: int) -> torch.Tensor:
+    """(B, H, N, W) -> (B, chunks, H, LINEAR_CHUNK, W), contiguous, rows past N zero."""
+    b, h, n, w = x.shape
+    x = torch.nn.functional.pad(x, (0, 0, 0, n_pad - n))
+    return x.view(b, h, n_pad // LINEAR_CHUNK, LINEAR_CHUNK, w).transpose(1, 2).contiguous()
+
+
+def linear_attention(q, k, v, mask, causal: bool, policy: ScorePolicy) -> torch.Tensor:
+    """Fastmax in its linear form on the kernels: moments carried over chunks of 128 rows (fp32), each
+    chunk's own causal block on the tiled quadratic kernel. Same contract as ``attention``.
+
+    The moments cost O(D^3) per token (p = 2) and no N: it wins over the quadratic form at long N.
+    Normalisation, the temperature and the [x, 1] extension are differentiable PyTorch around the op.
+    """
+    from .reference import scale_rows
+
+    dtype = _run_dtype(q)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    b, h, i, d = q.shape
+    hkv, j = k.shape[1], k.shape[2]
+    qs = (scale_rows(q.float(), policy.qk_norm) * policy.scale).to(dtype)
+    ks = scale_rows(k.float(), policy.qk_norm).to(dtype)
+    keep = torch.ones(b, j, dtype=torch.bool, device=q.device) if mask is None else mask
+    front = 0
+    if causal and i != j:  # bottom-right alignment: query t sits at key position t + j - i
+        front = j - i
+        if front > 0:  # queries start at key position j - i: rows before them are placeholders
+            qs = torch.nn.functional.pad(qs, (0, 0, front, 0))
+        else:  # the first i - j queries see no key: placeholder keys, masked
+            ks, v = (torch.nn.functional.pad(x, (0, 0, -front, 0)) for x in (ks, v))
+            keep = torch.nn.functional.pad(keep, (-front, 0), value=False)
+    n_pad = -(-max(qs.shape[2], ks.shape[2]) // LINEAR_CHUNK) * LINEAR_CHUNK
+    qc, kc = _chunk_major(_extend(qs), n_pad), _chunk_major(_extend(ks), n_pad)
+    vc = _chunk_major(_extend(v) * keep[:, None, :, None].to(dtype), n_pad)
+    keep_c = torch.nn.functional.pad(keep, (0, n_pad - keep.shape[1])).view(b * n_pad // LINEAR_CHUNK, LINEAR_CHUNK)
+    out = _LinearAttention.apply(qc, kc, vc, keep_c, causal, (policy.a0, policy.a1, policy.a2))
+    out = out.transpose(1, 2).reshape(b, h, n_pad, d)
+    return out[:, :, max(front, 0):max(front, 0) + i]
+
+
+class _LinearAttention(torch.autograd.Function):
+    """y = [num, l] = moments of the chunks before (attn_cuda::linear) + the chunk's own causal block
+    (attn_cuda::fwd, whose saved 1/l and output give its num and l back); out = num / l.
+
+    Backward, with g = [dO, -(dO . O)] / l: dq from the same moments read against g (R2), dk and dv from
+    the moments of psi(q) g^T carried in reverse (R1 and R2 with the keys), and the diagonal blocks from
+    attn_cuda::bwd, which given the final O and 1/l computes exactly their share.
+    """
+
+    @staticmethod
+    def forward(ctx, qc, kc, vc, keep_c, causal, coefs):
+        b, nc, h, n, dp = qc.shape
+        hkv, d, group = kc.shape[2], dp - 16, qc.shape[2] // kc.shape[2]
+        second = coefs[2] != 0
+        y, _ = torch.ops.attn_cuda.linear(kc, vc, qc, None, 1, group, causal, False, second, [1.0, 1.0, 1.0],
+                                          list(coefs), dp // 16, False)
+        num, l = y[..., :d], y[..., d]
+        if causal:
+            o_i, stat_i, _, _ = torch.ops.attn_cuda.fwd(*_diagonal(qc, kc, vc), keep_c, None, True, "poly", 1.0,
+                                                        None, *coefs, True)
+            l_i = torch.where(stat_i > 0, 1.0 / stat_i, 0.0).view(b, nc, h, n)
+            num = num + o_i.float().view(b, nc, h, n, d) * l_i[..., None]
+            l = l + l_i
+        inv_l = torch.where(l > 0, 1.0 / l, 0.0)  # no visible key, or weights that sum to 0: output 0
+        out = (num * inv_l[..., None]).to(qc.dtype)
+        ctx.save_for_backward(qc, kc, vc, keep_c, out, inv_l)
+        ctx.causal, ctx.coefs = causal, coefs
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        qc, kc, vc, keep_c, out, inv_l = ctx.saved_tensors
+        causal, coefs = ctx.causal, ctx.coefs
+        b, nc, h, n, dp = qc.shape
+        d, group, second = dp - 16, qc.shape[2] // kc.shape[2], coefs[2] != 0
+        dout = dout.contiguous()
+        delta = (dout.float() * out.float()).sum(-1, keepdim=True)
+        g = torch.cat([dout.float(), -delta, dout.new_zeros(*dout.shape[:-1], 15, dtype=torch.float32)], dim=-1)
+        g = g * inv_l[..., None]
+        # g = dO / l shrinks with the sequence: the sweeps take it scaled to a max near 1 (a power of two,
+        # exact), so that fp16 keeps its digits, and their results are scaled back.
+        scale = torch.exp2(torch.ceil(torch.log2(g.abs().amax().clamp_min(torch.finfo(torch.float32).tiny))))
+        g = (g / scale).to(qc.dtype)
+        _, dq = torch.ops.attn_cuda.linear(kc, vc, qc, g, 1, group, causal, False, second, [1.0, 1.0, 1.0],
+                                           list(coefs), 0, True)
+        dv, dk = torch.ops.attn_cuda.linear(qc, g, kc, vc, group, 1, causal, True, second, list(coefs),
+                                            [1.0, 1.0, 1.0], d // 16, True)
+        dq, dk, dv = dq * scale, dk * scale, dv[..., :d] * scale
+        if causal:
+            qi, ki, vi = _diagonal(qc, kc, vc)
+            dqi, dki, dvi, _ = torch.ops.attn_cuda.bwd(
+                dout.view(b * nc, h, n, d), qi, ki, vi, keep_c, None, out.view(b * nc, h, n, d),
+                inv_l.view(b * nc, h, n).contiguous(), inv_l.new_empty(0), inv_l.new_empty(0), True, "poly", 1.0,
+                None, *coefs, True, False)
+            dq = dq + dqi.float().view(dq.shape)
+            dk = dk + dki.float().view(dk.shape)
+            dv = dv + dvi.float().view(dv.shape)
+        pad = (0, 16)
+        return (torch.nn.functional.pad(dq, pad).to(qc.dtype), torch.nn.functional.pad(dk, pad).to(kc.dtype),
+                torch.nn.functional.pad(dv, pad).to(vc.dtype), None, None, None)
+
+
+def _diagonal(qc, kc, vc):
+    """The chunks as sequences of their own, (B * chunks, heads, LINEAR_CHUNK, D): the diagonal blocks."""
+    d = qc.shape[-1] - 16
+    return tuple(x.view(-1, *x.shape[2:])[..., :d] for x in (qc, kc, vc))
+
+
 def _register_fakes() -> None:
     """Shapes and dtypes of the ops' outputs (they must match csrc/binding.cpp), for torch.compile."""
 
@@ -153,6 +277,12 @@ def _register_fakes() -> None:
         return (q.new_empty((b, h, i, d)), torch.empty((b, h, _pad4(i)), **f32),
                 torch.empty((b, h, _pad4(i)) if norms else (0,), **f32),
                 torch.empty((b, k.shape[1], _pad4(k.shape[2])) if norms else (0,), **f32))
+
+    @torch.library.register_fake("attn_cuda::linear")
+    def _linear(ux, uw, rx, rg, upd_heads, rd_heads, causal, reverse, second, cu, cr, r1_tiles, want_r2):
+        f32 = dict(dtype=torch.float32, device=rx.device)
+        return (torch.empty(rx.shape if r1_tiles > 0 else (0,), **f32),
+                torch.empty((*rx.shape[:-1], rx.shape[-1] - 16) if want_r2 else (0,), **f32))
 
     @torch.library.register_fake("attn_cuda::bwd")
     def _bwd(dout, q, k, v, mask, bias, out, stat, rq, rk, causal, kind, scale, qk_norm, a0, a1, a2,

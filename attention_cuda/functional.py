@@ -129,7 +129,11 @@ def _attend(call: _Call, causal: bool, policy: ScorePolicy, backend: str, *, uns
             dropout: float = 0.0, linear: bool = False) -> torch.Tensor:
     """Run on the kernels when the backend resolves to them, else on the matching reference."""
     if _use_cuda(call, causal, policy, backend, unsupported):
-        out = _kernels()[0].attention(call.q, call.k, call.v, call.mask, call.bias, causal, policy)
+        kernels = _kernels()[0]
+        if linear:
+            out = kernels.linear_attention(call.q, call.k, call.v, call.mask, causal, policy)
+        else:
+            out = kernels.attention(call.q, call.k, call.v, call.mask, call.bias, causal, policy)
     elif linear:
         out = reference.fastmax_linear(call.q, call.k, call.v, call.mask, causal, policy)
     else:
@@ -176,7 +180,8 @@ def fastmax_attention(q, k, v, *, causal=False, mask=None, p=2, a0=1.0, a1=1.0, 
     logits are rejected. ``dropout`` drops normalised weights (quadratic form only; the kernels and
     the linear form do not implement it). ``form``: "quadratic" materialises weights tile by tile,
     "linear" carries moments of k (O(N) time and memory); "auto" takes the kernels' quadratic form
-    where they run, else the form with fewer FLOPs at this sequence length.
+    where they run (their linear form is slower up to N = 65536 and less precise in its gradients:
+    bench/NOTES.md), else the reference's form with fewer FLOPs at this sequence length.
     """
     call = _canonicalize(q, k, v, mask)
     policy = poly_policy(p, a0, a1, a2, temperature, normalize, lim)
@@ -189,14 +194,12 @@ def fastmax_attention(q, k, v, *, causal=False, mask=None, p=2, a0=1.0, a1=1.0, 
                                   "use form='quadratic' or dropout=0")
     no_dropout = "dropout: the kernels do not implement dropout (use dropout=0 or backend='torch')"
     unsupported = no_dropout if dropout > 0 else None
-    if form == "auto":
-        # The kernels run the quadratic form tile by tile in O(N) memory, far faster than the PyTorch
-        # linear form; until a linear-form kernel exists they take it at every length. On the PyTorch
-        # reference the form with fewer FLOPs wins (dropout exists only in the quadratic form).
+    if form == "auto":  # dropout exists only in the quadratic form
         on_kernels = backend != "torch" and _use_cuda(call, causal, policy, "auto", unsupported)
         linear = call.k.shape[2] > fastmax_flops_crossover(call.q.shape[-1], p)
         form = "linear" if linear and dropout == 0 and not on_kernels else "quadratic"
     if form == "linear" and unsupported is None:
-        unsupported = "form='linear': the linear-form kernels are not built yet (use form='quadratic')"
+        kernels = _kernels()[0]
+        unsupported = kernels.linear_unsupported_reason(call.q) if kernels else None
     return _attend(call, causal, policy, backend, unsupported=unsupported, dropout=dropout,
                    linear=form == "linear")

@@ -56,9 +56,9 @@ def attention_flops_per_token(cfg) -> int:
       2·D FLOPs each per (query, key) pair, so 4·D·T forward and 12·D·T for training per token
       (the 12·L·H·D·T of the nanoGPT/PaLM count), halved for causal: 6·D·T.
     - fastmax in its linear form (what attention_cuda's PyTorch reference runs once T exceeds the
-      feature count F = 1 + D (+ D(D+1)/2 for p = 2); its kernels run the quadratic form): each token
-      adds phi(k) [v, 1]^T to the moments and reads phi(q) against them, 2·F·(D+1) FLOPs each, so
-      4·F·(D+1) forward and 12·F·(D+1) for training.
+      feature count F = 1 + D (+ D(D+1)/2 for p = 2); with the kernels training takes their quadratic
+      form): each token adds phi(k) [v, 1]^T to the moments and reads phi(q) against them, 2·F·(D+1)
+      FLOPs each, so 4·F·(D+1) forward and 12·F·(D+1) for training.
       Causal does not halve it; the small in-chunk band done quadratically is left out.
     The element-wise score function (exp, the polynomial) is not counted, as the convention goes.
     """

@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh                       # everything
 #   ATTN_DTYPES=bf16 ATTN_HEADDIMS=64 bash scripts/gpu_check.sh    # a narrowed development build
 #   STEPS="build timing" bash scripts/gpu_check.sh  # a subset of: wheels build tests sanitizer timing profile
-#                                                     suite bench throughput context compare
+#                                                     suite bench throughput context compare ddp
 #   TESTS="tests/test_cuda_kernels.py -k layouts"   # what pytest runs (default: every GPU test)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -184,6 +184,26 @@ if step compare; then
   python3 compare.py --data-path "$DATA" --wandb-mode offline --out "$OUT/compare" ${COMPARE_ARGS:-} \
     > "$OUT/compare.log" 2>&1 || status=1
   tail -n 25 "$OUT/compare.log"
+fi
+if step ddp; then
+  # Data-parallel scaling: the same global batch (2 micro-steps of 8 x 8192) on 1 GPU and on 2.
+  say "DDP: tokens/s on 1 and 2 GPUs (configs/base, seq 8192, cosine on our kernel)"
+  common="--config configs/base --seq_len 8192 --batch_size 8 --grad_accum_steps 2 --max_iters 30 --warmup_iters 2
+    --eval_interval 1000 --ckpt_interval 1000 --final_eval_max_windows 2 --sample_tokens 0 --use-cuda-kernel
+    --data-path $DATA --wandb-mode disabled --out_dir out/ddp"
+  # shellcheck disable=SC2086
+  python3 train.py $common --run_name gpus1 > "$OUT/ddp_1gpu.log" 2>&1 || status=1
+  # shellcheck disable=SC2086
+  torchrun --standalone --nproc_per_node=2 train.py $common --run_name gpus2 > "$OUT/ddp_2gpu.log" 2>&1 || status=1
+  python3 - <<'EOF'
+import json, statistics
+rate = {}
+for n in (1, 2):
+    rows = [json.loads(line) for line in open(f"out/ddp/gpus{n}/metrics.jsonl")]
+    rate[n] = statistics.median(r["perf/tokens_per_s"] for r in rows if "perf/tokens_per_s" in r and r["step"] > 5)
+    print(f"{n} GPU(s): {rate[n]:,.0f} tokens/s (median over steps 6-30)")
+print(f"scaling: {rate[2] / rate[1]:.2f}x")
+EOF
 fi
 say "done (status $status)"
 exit $status

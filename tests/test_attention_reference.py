@@ -276,23 +276,25 @@ def test_bias_shape_and_backend_errors():
     torch.testing.assert_close(cosine_sim_attention(x, x, x), cosine_sim_attention(x, x, x, backend="torch"))
 
 
-def test_fastmax_auto_form_on_the_kernels_is_quadratic_at_any_length(monkeypatch):
-    """Where the kernels run, "auto" takes their tiled quadratic form; a long sequence must not
-    land on the linear form, which has no kernel yet."""
+def test_fastmax_auto_form_on_the_kernels_is_quadratic_and_linear_is_opt_in(monkeypatch):
+    """Where the kernels run, "auto" takes their tiled quadratic form at any length (their linear form
+    is slower up to 65536 keys); form="linear" reaches the linear-form kernel, whose limits raise."""
     from types import SimpleNamespace
 
-    from attention_cuda import functional
+    from attention_cuda import _cuda, functional
     calls = []
-    fake = SimpleNamespace(unavailable_reason=lambda: None,
-                           unsupported_reason=lambda *a: None,
-                           attention=lambda q, k, v, mask, bias, causal, policy: calls.append(q.shape) or q)
+    fake = SimpleNamespace(unavailable_reason=lambda: None, unsupported_reason=lambda *a: None,
+                           linear_unsupported_reason=_cuda.linear_unsupported_reason,
+                           attention=lambda q, k, v, mask, bias, causal, policy: calls.append("quadratic") or q,
+                           linear_attention=lambda q, k, v, mask, causal, policy: calls.append("linear") or q)
     monkeypatch.setattr(functional, "_kernels", lambda: (fake, None))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    x = torch.randn(1, 1, functional.fastmax_flops_crossover(4, 2) + 1, 4)
+    x = torch.randn(1, 1, functional.fastmax_flops_crossover(16, 2) + 1, 16, dtype=torch.bfloat16)
     fastmax_attention(x, x, x, causal=True)
     fastmax_attention(x, x, x, causal=True, backend="cuda")
-    assert len(calls) == 2
-    with pytest.raises(NotImplementedError, match="linear"):
-        fastmax_attention(x, x, x, backend="cuda", form="linear")
+    fastmax_attention(x, x, x, causal=True, backend="cuda", form="linear")
+    assert calls == ["quadratic", "quadratic", "linear"]
+    with pytest.raises(NotImplementedError, match="float16 and bfloat16"):
+        fastmax_attention(x.float(), x.float(), x.float(), backend="cuda", form="linear")
     with pytest.raises(NotImplementedError, match="dropout"):
         fastmax_attention(x, x, x, backend="cuda", dropout=0.1)

@@ -15,22 +15,22 @@
 
 namespace attn {
 namespace {
-std::map<std::pair<int, int>, std::pair<FwdFn, BwdFn>>& registry() {
-  static std::map<std::pair<int, int>, std::pair<FwdFn, BwdFn>> r;
+std::map<std::pair<int, int>, std::tuple<FwdFn, BwdFn, LinFn>>& registry() {
+  static std::map<std::pair<int, int>, std::tuple<FwdFn, BwdFn, LinFn>> r;
   return r;
 }
 }  // namespace
 
-bool register_kernels(Dtype dtype, int head_dim, FwdFn fwd, BwdFn bwd) {
-  registry()[{static_cast<int>(dtype), head_dim}] = {fwd, bwd};
+bool register_kernels(Dtype dtype, int head_dim, FwdFn fwd, BwdFn bwd, LinFn lin) {
+  registry()[{static_cast<int>(dtype), head_dim}] = {fwd, bwd, lin};
   return true;
 }
 
-bool find_kernels(Dtype dtype, int head_dim, FwdFn* fwd, BwdFn* bwd) {
+bool find_kernels(Dtype dtype, int head_dim, FwdFn* fwd, BwdFn* bwd, LinFn* lin) {
   auto it = registry().find({static_cast<int>(dtype), head_dim});
   if (it == registry().end()) return false;
-  *fwd = it->second.first;
-  *bwd = it->second.second;
+  std::tie(*fwd, *bwd, std::ignore) = it->second;
+  if (lin) *lin = std::get<2>(it->second);
   return true;
 }
 
@@ -233,6 +233,51 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_bwd(const Tensor& dout, const Te
   return {dq, dk, dv, dbias};
 }
 
+// One sweep of fastmax's linear form (linear.cuh) over chunk-major (B, chunks, heads, kLinChunk, D + 16)
+// tensors. Returns (r1, r2), fp32: r1 (B, chunks, Hr, kLinChunk, D + 16) when r1_tiles > 0, r2
+// (B, chunks, Hr, kLinChunk, D) when want_r2; each is empty otherwise.
+std::tuple<Tensor, Tensor> attn_linear(const Tensor& ux, const Tensor& uw, const Tensor& rx,
+                                       const optional<Tensor>& rg, int64_t upd_heads, int64_t rd_heads, bool causal,
+                                       bool reverse, bool second, at::ArrayRef<double> cu, at::ArrayRef<double> cr,
+                                       int64_t r1_tiles, bool want_r2) {
+  TORCH_CHECK(ux.dim() == 5 && ux.sizes() == uw.sizes() && rx.dim() == 5, "attn_cuda: linear: expected "
+              "chunk-major (B, chunks, heads, ", attn::kLinChunk, ", D + 16) tensors, ux and uw alike");
+  TORCH_CHECK(ux.size(3) == attn::kLinChunk && rx.size(3) == attn::kLinChunk && ux.size(4) == rx.size(4) &&
+                  ux.size(0) == rx.size(0) && ux.size(1) == rx.size(1),
+              "attn_cuda: linear: ux and rx must share batch, chunks and row width, with ", attn::kLinChunk,
+              " rows per chunk");
+  TORCH_CHECK(upd_heads > 0 && rd_heads > 0 && ux.size(2) % upd_heads == 0 && rx.size(2) % rd_heads == 0 &&
+                  ux.size(2) / upd_heads == rx.size(2) / rd_heads,
+              "attn_cuda: linear: heads do not split into the same kv heads");
+  TORCH_CHECK(cu.size() == 3 && cr.size() == 3, "attn_cuda: linear: cu and cr are (c0, c1, c2)");
+  TORCH_CHECK(!want_r2 || (rg && rg->sizes() == rx.sizes()), "attn_cuda: linear: R2 needs rg shaped like rx");
+  for (const Tensor* t : {&ux, &uw, &rx, rg ? &*rg : &rx})
+    TORCH_CHECK(t->is_contiguous() && t->is_cuda() && t->device() == ux.device() &&
+                    t->scalar_type() == ux.scalar_type(),
+                "attn_cuda: linear: inputs must be contiguous CUDA tensors of one dtype and device");
+  attn::Dtype dtype;
+  attn::FwdFn fwd;
+  attn::BwdFn bwd;
+  attn::LinFn lin = nullptr;
+  const int D = static_cast<int>(ux.size(4)) - 16;
+  TORCH_CHECK(kernel_dtype(ux.scalar_type(), &dtype) && attn::find_kernels(dtype, D, &fwd, &bwd, &lin) && lin,
+              "attn_cuda: linear: no linear-form kernel for ", ux.scalar_type(), " and head dim ", D);
+  const c10::cuda::CUDAGuard guard(ux.device());
+  attn::LinParams p{};
+  p.B = ux.size(0), p.chunks = ux.size(1), p.Hkv = ux.size(2) / upd_heads;
+  p.ux = ux.data_ptr(), p.uw = uw.data_ptr(), p.rx = rx.data_ptr(), p.rg = rg ? rg->data_ptr() : nullptr;
+  p.upd_heads = upd_heads, p.rd_heads = rd_heads, p.r1_tiles = r1_tiles;
+  p.causal = causal, p.reverse = reverse, p.second = second;
+  for (int i = 0; i < 3; ++i) p.cu[i] = cu[i], p.cr[i] = cr[i];
+  const auto f32 = ux.options().dtype(at::kFloat);
+  Tensor r1 = r1_tiles > 0 ? at::zeros(rx.sizes(), f32) : at::empty({0}, f32);
+  Tensor r2 = want_r2 ? at::zeros({rx.size(0), rx.size(1), rx.size(2), rx.size(3), D}, f32) : at::empty({0}, f32);
+  p.r1 = r1_tiles > 0 ? r1.data_ptr<float>() : nullptr;
+  p.r2 = want_r2 ? r2.data_ptr<float>() : nullptr;
+  if (p.B * p.chunks > 0) check_ok(lin(p, c10::cuda::getCurrentCUDAStream()), "linear-form kernel");
+  return {r1, r2};
+}
+
 std::vector<int64_t> head_dims(at::ScalarType dtype) {
   attn::Dtype d;
   return kernel_dtype(dtype, &d) ? attn::compiled_head_dims(d) : std::vector<int64_t>{};
@@ -248,10 +293,14 @@ TORCH_LIBRARY(attn_cuda, m) {
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor out, Tensor stat, "
       "Tensor rq, Tensor rk, bool causal, str kind, float scale, float? qk_norm, float a0, float a1, float a2, "
       "bool normalize, bool bias_grad) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "linear(Tensor ux, Tensor uw, Tensor rx, Tensor? rg, int upd_heads, int rd_heads, bool causal, bool reverse, "
+      "bool second, float[] cu, float[] cr, int r1_tiles, bool want_r2) -> (Tensor, Tensor)");
   m.def("head_dims(ScalarType dtype) -> int[]", &head_dims);
 }
 
 TORCH_LIBRARY_IMPL(attn_cuda, CUDA, m) {
   m.impl("fwd", &attn_fwd);
   m.impl("bwd", &attn_bwd);
+  m.impl("linear", &attn_linear);
 }

@@ -3,9 +3,21 @@
 #pragma once
 #include "bwd.cuh"
 #include "fwd.cuh"
+#include "linear.cuh"
+
+namespace attn {
+template <class T, int D>
+constexpr LinFn linear_fn() {
+  if constexpr (sizeof(T) == 2) {
+    return &run_linear<T, D>;
+  } else {
+    return nullptr;
+  }
+}
+}  // namespace attn
 
 #define ATTN_REGISTER(T, DTYPE, D)                                                                    \
   namespace {                                                                                         \
   const bool registered = attn::register_kernels(attn::Dtype::DTYPE, D, &attn::run_fwd<T, D>,          \
-                                                 &attn::run_bwd<T, D>);                               \
+                                                 &attn::run_bwd<T, D>, attn::linear_fn<T, D>());       \
   }

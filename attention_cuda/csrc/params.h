@@ -57,12 +57,32 @@ struct Params {
   void* dbias;        // (B,H,I,J) contiguous, zero on entry; null when no gradient is wanted
 };
 
+// Fastmax's linear form (linear.cuh): one sweep over the chunks of a sequence, carrying moments.
+constexpr int kLinChunk = 128;  // rows per chunk; the chunk's own (diagonal) block is left to the tiled kernels
+
+struct LinParams {
+  int B, Hkv, chunks;
+  // Chunk-major (B, chunks, heads, kLinChunk, D + 16) contiguous tensors, rows x' = [x, 1, 0 ...]:
+  // the state is built from ux (features) and uw (weights), with upd_heads heads per kv head, and read
+  // by rx (features) and rg (R2's weights), with rd_heads heads per kv head.
+  const void *ux, *uw, *rx, *rg;
+  int upd_heads, rd_heads;
+  float* r1;     // (B, chunks, Hkv * rd_heads, kLinChunk, D + 16) fp32, zero on entry, or null: R1 += psi(x) . S
+  int r1_tiles;  // 16-column tiles of w whose R1 output is wanted
+  float* r2;     // (B, chunks, Hkv * rd_heads, kLinChunk, D) fp32, zero on entry, or null: R2 += d psi(x) . S g
+  bool causal, reverse, second;  // second: the x^2 term (p = 2)
+  float cu[3], cr[3];            // (c0, c1, c2) of the update's and the read's features
+  int rows_per_part;             // set by the launcher: second-order state rows per CTA
+};
+
 using FwdFn = cudaError_t (*)(const Params&, Score, cudaStream_t);
 using BwdFn = cudaError_t (*)(const Params&, Score, cudaStream_t);
+using LinFn = cudaError_t (*)(LinParams, cudaStream_t);
 
-// Each compiled (dtype, head dim) registers its kernels at load time; builds may compile a subset.
-bool register_kernels(Dtype dtype, int head_dim, FwdFn fwd, BwdFn bwd);
-bool find_kernels(Dtype dtype, int head_dim, FwdFn* fwd, BwdFn* bwd);
+// Each compiled (dtype, head dim) registers its kernels at load time; builds may compile a subset. The
+// linear form exists for fp16 and bf16 only (lin is null for fp32).
+bool register_kernels(Dtype dtype, int head_dim, FwdFn fwd, BwdFn bwd, LinFn lin);
+bool find_kernels(Dtype dtype, int head_dim, FwdFn* fwd, BwdFn* bwd, LinFn* lin = nullptr);
 std::vector<int64_t> compiled_head_dims(Dtype dtype);
 
 // Row-wise helpers (aux.cu).

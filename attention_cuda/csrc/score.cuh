@@ -81,16 +81,20 @@ cudaError_t with_policy(Score score, F&& f) {
   return cudaErrorInvalidValue;
 }
 
-// Launch kernel(p) on `blocks` CTAs (at most the grid's 2^31 - 1) with `smem` bytes of dynamic shared
-// memory, on `stream`; an empty grid is a no-op.
-template <class Kernel>
-cudaError_t launch(Kernel kernel, int64_t blocks, int threads, int smem, const Params& p, cudaStream_t stream) {
+// Launch kernel(p) on `blocks` CTAs (at most 2^31 - 1; a 1-D grid unless one is given) with `smem` bytes
+// of dynamic shared memory, on `stream`; an empty grid is a no-op.
+template <class Kernel, class P>
+cudaError_t launch(Kernel kernel, dim3 grid, int64_t blocks, int threads, int smem, const P& p, cudaStream_t stream) {
   if (blocks == 0) return cudaSuccess;
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(p);
+  kernel<<<grid, threads, smem, stream>>>(p);
   return cudaGetLastError();
+}
+template <class Kernel, class P>
+cudaError_t launch(Kernel kernel, int64_t blocks, int threads, int smem, const P& p, cudaStream_t stream) {
+  return launch(kernel, dim3(static_cast<unsigned>(blocks)), blocks, threads, smem, p, stream);
 }
 
 }  // namespace attn

@@ -1,0 +1,77 @@
+"""Fastmax's linear-form kernels (form="linear", backend="cuda") against float64 PyTorch, on a GPU.
+
+Same error rule as test_cuda_kernels.py; the PyTorch yardstick in the input dtype is the quadratic form
+(the weights materialised in that dtype), the float64 reference is exact. Lengths cross the 128-row
+chunks, start and end mid-chunk, and cover i != j both ways.
+"""
+import math
+
+import pytest
+import torch
+
+from attention_cuda import fastmax_attention
+from test_cuda_kernels import SHAPES, compare, make_case, peak_extra_bytes
+
+pytestmark = pytest.mark.gpu
+
+LINEAR_SHAPES = SHAPES + [(1, 2, 1, 300, 300), (2, 2, 2, 129, 385)]
+
+
+def fastmax(p, **fixed):
+    if p == 1:  # f = a0 + a1 x is nonnegative only on bounded logits
+        fixed = dict(fixed, normalize=True, lim=1.0, temperature=1.0)
+
+    def call(q, k, v, backend, **kw):
+        form = "linear" if backend == "cuda" else "quadratic"
+        return fastmax_attention(q, k, v, p=p, form=form, backend=backend, **fixed, **kw)
+    return call
+
+
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize("flag", ["none", "causal", "mask", "all"])
+@pytest.mark.parametrize("d", [16, 32, 64, 96, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda t: str(t).split(".")[-1])
+def test_linear_form_matches_float64(dtype, d, flag, p):
+    cases = [(*make_case(shape, d, "fastmax", flag, seed=n), str(shape)) for n, shape in enumerate(LINEAR_SHAPES)]
+    compare(cases, fastmax(p, temperature=math.sqrt(d)), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda t: str(t).split(".")[-1])
+def test_linear_form_with_normalize_and_other_coefficients(dtype):
+    cases = [(*make_case(shape, 64, "fastmax", "all", seed=n), str(shape)) for n, shape in enumerate(LINEAR_SHAPES)]
+    compare(cases, fastmax(2, normalize=True, lim=1.5, a0=2.0, a1=0.5, a2=0.25), dtype)
+
+
+def test_the_two_forms_agree():
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(2, 4, 1000, 64, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for causal in (False, True):
+        lin = fastmax_attention(q, k, v, causal=causal, temperature=8.0, form="linear", backend="cuda")
+        quad = fastmax_attention(q, k, v, causal=causal, temperature=8.0, form="quadratic", backend="cuda")
+        torch.testing.assert_close(lin, quad, atol=2e-2, rtol=2e-2)
+
+
+def test_linear_form_stays_finite_at_131072():
+    g = torch.Generator(device="cuda").manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 131072, 64, generator=g, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    for causal in (False, True):
+        out = fastmax_attention(q, k, v, causal=causal, temperature=8.0, form="linear", backend="cuda")
+        grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        for t in (out, *grads):
+            assert torch.isfinite(t).all()
+
+
+def test_linear_form_memory_grows_linearly():
+    def step(n):
+        g = torch.Generator(device="cuda").manual_seed(9)
+        q, k, v = (torch.randn(1, 8, n, 64, generator=g, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+
+        def fn():
+            out = fastmax_attention(q, k, v, causal=True, form="linear", backend="cuda")
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        return peak_extra_bytes(fn)
+
+    short, long = step(16384), step(65536)
+    assert long <= 4.5 * short, (short, long)
