@@ -34,6 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import train  # noqa: E402
+from compare import int_list  # noqa: E402
 from model import GPT  # noqa: E402
 
 # variant -> (cfg.attention, use_cuda_kernel, SDPA backend forced on the attention, normalise q and k first)
@@ -151,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="throughput.py", description=__doc__.split("\n\n")[0],
                                      usage="throughput.py [options] [-- train.py flags]")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma list of {', '.join(VARIANTS)}")
-    parser.add_argument("--seq-lens", default="8192,16384,32768", help="comma list of context lengths")
+    parser.add_argument("--seq-lens", type=int_list, default=[8192, 16384, 32768],
+                        help="comma list of context lengths")
     parser.add_argument("--tokens-per-step", type=int, default=2**16)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
@@ -159,12 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "bench" / "throughput"), help="writes OUT.json and OUT.md")
     args = parser.parse_args(ours)
     variants = train.choice_list(parser, "--variants", args.variants, VARIANTS)
-    try:
-        seq_lens = [int(n) for n in args.seq_lens.split(",")]
-    except ValueError:
-        parser.error(f"--seq-lens: expected a comma list of ints, got {args.seq_lens!r}")
-    if min(seq_lens) < 1:
-        parser.error(f"--seq-lens: expected positive lengths, got {args.seq_lens!r}")
     train.require_positive(parser, args, ("tokens_per_step", "steps"))
     if not extra or "--config" not in extra:
         extra = ["--config", "configs/base", *extra]
@@ -173,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = [*extra, "--device", str(device)]
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     results = []
-    for seq_len in seq_lens:
+    for seq_len in args.seq_lens:
         for variant in variants:
             results.append(run_one(variant, seq_len, args, extra, device, dtype))
             r = results[-1]

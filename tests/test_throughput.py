@@ -45,8 +45,8 @@ def test_cosine_sdpa_is_the_cosine_attention():
 
 @pytest.mark.parametrize("args, expected", [
     (["--variants", "softmax,flash4"], "--variants: expected a comma list"),
-    (["--seq-lens", "64,x"], "--seq-lens: expected a comma list of ints"),
-    (["--seq-lens", "0"], "--seq-lens: expected positive lengths"),
+    (["--seq-lens", "64,x"], "--seq-lens: invalid comma-separated positive int value: '64,x'"),
+    (["--seq-lens", "0"], "--seq-lens: invalid comma-separated positive int value: '0'"),
     (["--steps", "0"], "--steps: expected > 0"),
 ])
 def test_throughput_bad_arguments_are_usage_errors(capsys, args, expected):

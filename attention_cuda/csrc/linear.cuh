@@ -47,8 +47,7 @@ __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t s) {
 
 template <class T>
 __device__ __forceinline__ float lds_elem(Tile s, int row, int col) {
-  const uint32_t w = lds32(s.at(row, (col & ~1) * 2));
-  const float2 f = Elem<T>::unpack(w);
+  const float2 f = lds_pair<T>(s.at(row, (col & ~1) * 2));
   return col & 1 ? f.y : f.x;
 }
 
@@ -65,16 +64,6 @@ __device__ __forceinline__ void st_group(float* g, const float* acc) {
 // Element (row c, column b) of a group, wherever its lane keeps it.
 __device__ __forceinline__ float group_elem(const float* g, int c, int b) {
   return g[((c & 7) * 4 + (b & 7) / 2) * 8 + (b / 8) * 4 + (c / 8) * 2 + (b & 1)];
-}
-
-// Copy rows [0, kL) of a chunk: `cols` columns starting at `col0` of rows `pitch` elements apart.
-template <class T, int kL, int kThreads>
-__device__ __forceinline__ void cp_rows(Tile dst, const T* src, int pitch, int col0, int cols) {
-  const int per_row = cols / 8;  // 16-byte pieces
-  for (int c = threadIdx.x; c < kL * per_row; c += kThreads) {
-    const int r = c / per_row, x = c % per_row;
-    cp_async16(dst.at(r, x * 16), src + static_cast<int64_t>(r) * pitch + col0 + x * 8, 16);
-  }
 }
 
 template <class T, int D>
@@ -111,13 +100,19 @@ __global__ void __launch_bounds__(LinConfig<T, D>::kWarps * 32, 1) linear_kernel
     return ((static_cast<int64_t>(b) * p.chunks + chunk) * heads + h) * kL * kDp;
   };
 
+  // The chunk's rows of x (all columns) and, when wanted, of w (this m-tile's 16 columns); every row is
+  // inside the tensor (chunks are whole), so nothing is zero-filled.
+  auto cp_chunk = [&](Tile dx, const T* x, Tile dw, const T* w, bool with_w) {
+    cp_tile<kL, kDp * 2, kThreads>(dx, reinterpret_cast<const char*>(x), kDp * 2, kL, x);
+    if (with_w) cp_tile<kL, 32, kThreads>(dw, reinterpret_cast<const char*>(w + mt * 16), kDp * 2, kL, w);
+  };
+
   // state += phi(x) w^T over the chunk's rows (coefficients cu), for every row of this warp.
   auto update = [&](int chunk) {
     for (int hu = 0; hu < p.upd_heads; ++hu) {
       const int64_t at = chunk_at(chunk, p.Hkv * p.upd_heads, hkv * p.upd_heads + hu);
       __syncthreads();  // the tiles' last readers are done
-      cp_rows<T, kL, kThreads>(sX, ux + at, kDp, 0, kDp);
-      cp_rows<T, kL, kThreads>(sW, uw + at, kDp, mt * 16, 16);
+      cp_chunk(sX, ux + at, sW, uw + at, true);
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();
@@ -200,8 +195,7 @@ __global__ void __launch_bounds__(LinConfig<T, D>::kWarps * 32, 1) linear_kernel
       const int heads = p.Hkv * p.rd_heads, h = hkv * p.rd_heads + hr;
       const int64_t at = chunk_at(chunk, heads, h);
       __syncthreads();
-      cp_rows<T, kL, kThreads>(sX, rx + at, kDp, 0, kDp);
-      if (r2) cp_rows<T, kL, kThreads>(sW, rg + at, kDp, mt * 16, 16);
+      cp_chunk(sX, rx + at, sW, rg + at, r2);
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();
