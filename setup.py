@@ -2,7 +2,8 @@
 
 Without them the install is pure Python (CPU machines, CI), and attention_cuda JIT-compiles the
 kernels on first use if a GPU and nvcc turn up later. Knobs (environment variables):
-  TORCH_CUDA_ARCH_LIST  GPU architectures to build for (default "8.0;9.0")
+  TORCH_CUDA_ARCH_LIST  GPU architectures to build for (default "8.0;9.0a"; 9.0a adds the Hopper
+                        wgmma kernels, plain 9.0 runs the mma.sync ones on Hopper)
   ATTN_DTYPES           comma-separated subset of f16,bf16,f32 to compile (default all)
   ATTN_HEADDIMS         comma-separated subset of 16,32,64,96,128 (default all); narrow both for fast
                         development builds: inputs outside the build are reported as unsupported
@@ -42,11 +43,13 @@ def _cuda_extension():
         print(f"attention_cuda: {'this torch has no CUDA' if torch.version.cuda is None else 'nvcc not found'}; "
               "installing pure Python (the kernels JIT-compile on first use where CUDA and nvcc exist)")
         return [], {}
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
     sources = [CSRC / "binding.cpp", CSRC / "aux.cu"]
     sources += [CSRC / "inst" / f"{t}_hd{d}.cu" for t in _subset("ATTN_DTYPES", DTYPES)
                 for d in _subset("ATTN_HEADDIMS", HEAD_DIMS)]
     nvcc_flags = (ROOT / CSRC / "nvcc_flags.txt").read_text().split()
+    if "9.0a" in os.environ["TORCH_CUDA_ARCH_LIST"]:
+        nvcc_flags.append("-DATTN_SM90A")  # the host side may launch the sm_90a kernels
     ext = CUDAExtension("attention_cuda._C", [str(s) for s in sources],
                         extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags})
     return [ext], {"build_ext": BuildExtension}

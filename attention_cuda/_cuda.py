@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 from pathlib import Path
 
 import torch
@@ -33,16 +34,31 @@ def _pad4(n):
     return (n + 3) // 4 * 4
 
 
+def _arch_list() -> str:
+    """TORCH_CUDA_ARCH_LIST, else the current device's architecture (9.0a on Hopper: the wgmma kernels)."""
+    major, minor = torch.cuda.get_device_capability()
+    return os.environ.get("TORCH_CUDA_ARCH_LIST") or f"{major}.{minor}{'a' if (major, minor) == (9, 0) else ''}"
+
+
 def _jit_build() -> None:
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256()
+    arch = _arch_list()
+    digest = hashlib.sha256(arch.encode())
     for f in sorted(p for p in CSRC.rglob("*") if p.is_file()):
         digest.update(f.relative_to(CSRC).as_posix().encode() + b"\0" + f.read_bytes())
     sources = [CSRC / "binding.cpp", CSRC / "aux.cu", *sorted((CSRC / "inst").glob("*.cu"))]
-    cpp_extension.load(name=f"attention_cuda_{digest.hexdigest()[:16]}", sources=[str(s) for s in sources],
-                       extra_cflags=["-O3"], extra_cuda_cflags=(CSRC / "nvcc_flags.txt").read_text().split(),
-                       is_python_module=False)
+    flags = (CSRC / "nvcc_flags.txt").read_text().split() + (["-DATTN_SM90A"] if "9.0a" in arch else [])
+    saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+    try:
+        cpp_extension.load(name=f"attention_cuda_{digest.hexdigest()[:16]}", sources=[str(s) for s in sources],
+                           extra_cflags=["-O3"], extra_cuda_cflags=flags, is_python_module=False)
+    finally:
+        if saved is None:
+            del os.environ["TORCH_CUDA_ARCH_LIST"]
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = saved
 
 
 def _first_error_line(e: Exception) -> str:

@@ -25,8 +25,8 @@ if step wheels && [ -d .carry/whl ]; then
 fi
 
 if step build; then
-  say "build (TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} ATTN_DTYPES=${ATTN_DTYPES:-all} ATTN_HEADDIMS=${ATTN_HEADDIMS:-all})"
-  TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
+  say "build (TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} ATTN_DTYPES=${ATTN_DTYPES:-all} ATTN_HEADDIMS=${ATTN_HEADDIMS:-all})"
+  TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16} \
     python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1
   if [ $? -ne 0 ]; then
     grep -m 20 -iE "error|undefined" "$OUT/build.log"

@@ -7,7 +7,9 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <map>
+#include <string>
 #include <tuple>
 #include <utility>
 
@@ -32,6 +34,16 @@ bool find_kernels(Dtype dtype, int head_dim, FwdFn* fwd, BwdFn* bwd, LinFn* lin)
   std::tie(*fwd, *bwd, std::ignore) = it->second;
   if (lin) *lin = std::get<2>(it->second);
   return true;
+}
+
+bool use_sm90() {
+  const char* portable = std::getenv("ATTN_PORTABLE_KERNELS");  // read per call: tests flip it in-process
+  if (portable && *portable && std::string(portable) != "0") return false;
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev))
+    return false;
+  return major == 9 && minor == 0;
 }
 
 std::vector<int64_t> compiled_head_dims(Dtype dtype) {

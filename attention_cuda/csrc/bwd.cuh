@@ -34,79 +34,255 @@ struct BwdSmem {  // K | V | 2 x Q | 2 x dO | 2 x dS^T | 2 x (stat, delta, 1/|q|
   static constexpr int kVec = kDS + 2 * C::kCols * kSPitch, kBytes = kVec + 2 * 3 * C::kRows * 4;
 };
 
+// What a thread needs about its two keys, key0 and key0 + 8 (rows g and g + 8 of its warp's 16).
+struct KeyRows {
+  float rk[2];     // 1/|k|, 1 without the qk norm
+  bool kept[2];    // inside the sequence and kept by the mask
+  int first_q[2];  // the first query that may see the key under causal
+  __device__ KeyRows(const Params& p, int b, int hk, const uint8_t* mask, int key0) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int s = key0 + 8 * hf;
+      rk[hf] = p.rk && s < p.J ? p.rk[static_cast<int64_t>(b * p.Hkv + hk) * p.j_pad + s] : 1.f;
+      kept[hf] = s < p.J && (mask == nullptr || mask[s]);
+      first_q[hf] = p.causal ? s - (p.J - p.I) : 0;
+    }
+  }
+};
+
+// One warp's 16 keys x kBr queries of a backward step, from S^T = K Q^T (sc) and dP^T = V dO^T (dp) in
+// the m16n8 accumulator layout: on return sc holds P^T and dp holds dS~^T. `vec` is the step's
+// (stat, delta, 1/|q|) vectors of kBr floats each; key0 = this thread's first key (g of the warp's 16).
+template <class T, int D, int kBc, int kBr, class Policy>
+__device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, float (&sc)[kBr / 8][4],
+                                           float (&dp)[kBr / 8][4], const float* vec, const KeyRows& keys, int b,
+                                           int h, int n0, int m0, int key0, const uint8_t* mask) {
+  constexpr int kNQ = kBr / 8;
+  const int tq = lane_id() % 4;
+  const float* v_stat = vec;
+  const float* v_delta = vec + kBr;
+  const float* v_rq = vec + 2 * kBr;
+  // Logits y with hidden pairs at -inf (the forward's visibility rules), then P and dL/dx per
+  // element. dS~ = dL/dx * dy/d(q.k) = dL/dx * alpha rq rk flows into dK and dQ. The weights repeat
+  // the forward's arithmetic: scale = (alpha rq) rk and, for a fixed shift on tiles without edges or
+  // bias, one fused exp2(s * scale - shift); elsewhere the shift comes off after the bias.
+  auto arq_pair = [&](int nq) {  // alpha/|q| of this thread's two queries in column tile nq
+    const float2 rq2 = p.rq ? *reinterpret_cast<const float2*>(v_rq + nq * 8 + 2 * tq) : make_float2(1.f, 1.f);
+    return make_float2(p.alpha * rq2.x, p.alpha * rq2.y);
+  };
+  auto scale_of = [&](float2 arq2, int e) { return ((e & 1) ? arq2.y : arq2.x) * keys.rk[e >> 1]; };
+  constexpr bool kShift = Policy::kExp && !Policy::kRowMax;
+  constexpr bool kKeepRa = D <= 64;  // the scales per element stay in registers where they fit
+  const bool edge = n0 + kBc > p.J || m0 + kBr > p.I || mask != nullptr || (p.causal && n0 + kBc - 1 > m0 + p.J - p.I);
+  const T* bias = p.bias ? static_cast<const T*>(p.bias) + b * p.bias_sb + h * p.bias_sh : nullptr;
+  const float fused_shift = kShift && !edge && !bias ? p.shift : 0.f;
+  float ra[kKeepRa ? kNQ : 1][4];
+#pragma unroll
+  for (int nq = 0; nq < kNQ; ++nq) {
+    const float2 arq2 = arq_pair(nq);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float r = scale_of(arq2, e);
+      if constexpr (kKeepRa) ra[nq][e] = r;
+      if constexpr (kShift) sc[nq][e] = fmaf(sc[nq][e], r, -fused_shift);  // exactly s * r when not fused
+      else sc[nq][e] *= r;
+    }
+  }
+  if (edge) {
+#pragma unroll
+    for (int nq = 0; nq < kNQ; ++nq)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = m0 + nq * 8 + 2 * tq + (e & 1);
+        if (!keys.kept[e >> 1] || t < keys.first_q[e >> 1] || t >= p.I) sc[nq][e] = -INFINITY;
+      }
+  }
+  if (bias) {
+#pragma unroll
+    for (int nq = 0; nq < kNQ; ++nq)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (sc[nq][e] != -INFINITY)
+          sc[nq][e] = fmaf(p.beta, bias_at(p, bias, m0 + nq * 8 + 2 * tq + (e & 1), key0 + 8 * (e >> 1)),
+                           sc[nq][e]);
+  }
+  if (kShift && (edge || bias)) {
+#pragma unroll
+    for (int nq = 0; nq < kNQ; ++nq)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[nq][e] -= p.shift;
+  }
+  // P and dL/dx per element; dL/dx is also d(loss)/d(bias) for the rare dbias store, before it is
+  // scaled into dS~ (a separate loop keeps the store's index tests off the common path).
+#pragma unroll
+  for (int nq = 0; nq < kNQ; ++nq) {
+    const float2 stat2 = *reinterpret_cast<const float2*>(v_stat + nq * 8 + 2 * tq);
+    const float2 delta2 = *reinterpret_cast<const float2*>(v_delta + nq * 8 + 2 * tq);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float y = sc[nq][e], stat = (e & 1) ? stat2.y : stat2.x, delta = (e & 1) ? delta2.y : delta2.x;
+      float P, ds;
+      if constexpr (Policy::kRowMax) {
+        P = ex2(y - stat);
+      } else if constexpr (kShift) {  // y - shift already
+        P = round_for_mma<T>(ex2(y)) * stat;
+      } else {
+        P = round_for_mma<T>(pol.weight(y)) * stat;
+      }
+      ds = pol.dlogit(P, y, dp[nq][e] - delta, stat);
+      if constexpr (!Policy::kExp) {  // exp2 gives 0 at -inf by itself; the polynomial does not
+        if (y == -INFINITY) P = 0.f, ds = 0.f;
+      }
+      sc[nq][e] = P;
+      dp[nq][e] = ds;
+    }
+  }
+  if (p.dbias) {
+    T* dbias = static_cast<T*>(p.dbias) + static_cast<int64_t>(b * p.H + h) * p.I * p.J;
+#pragma unroll
+    for (int nq = 0; nq < kNQ; ++nq)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = m0 + nq * 8 + 2 * tq + (e & 1), s = key0 + 8 * (e >> 1);
+        if (t < p.I && s < p.J) dbias[static_cast<int64_t>(t) * p.J + s] = Elem<T>::from_float(dp[nq][e]);
+      }
+  }
+#pragma unroll
+  for (int nq = 0; nq < kNQ; ++nq) {
+    if constexpr (kKeepRa) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[nq][e] *= ra[nq][e];
+    } else {
+      const float2 arq2 = arq_pair(nq);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[nq][e] *= scale_of(arq2, e);
+    }
+  }
+
+}
+
+// dK = c (W - rk^2 (k.W) k) (the l2norm's backward, from the raw k rows still in shared memory; it
+// drops out when |k| <= eps, where the normalisation divides by the constant eps) and dV, for the
+// thread's keys at rows r0 and r0 + 8 of the block's key tile sK (a Tile or SwTile).
+template <class T, int D, class KTile>
+__device__ __forceinline__ void bwd_store_dkdv(const Params& p, float (&dk)[D / 8][4], float (&dv)[D / 8][4],
+                                               const KTile& sK, int r0, const KeyRows& keys, int bhk, int n0) {
+  constexpr int kND = D / 8;
+  const int tq = lane_id() % 4;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int r = r0 + 8 * hf;
+    if (p.rk) {
+      float2 kv[kND];
+      float dot = 0.f;
+#pragma unroll
+      for (int nd = 0; nd < kND; ++nd) {
+        kv[nd] = lds_pair<T>(sK.at(r, (nd * 8 + 2 * tq) * sizeof(T)));
+        dot += kv[nd].x * dk[nd][2 * hf] + kv[nd].y * dk[nd][2 * hf + 1];
+      }
+      dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+      dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+      const float proj = keys.rk[hf] < 1.f / kNormEps ? keys.rk[hf] * keys.rk[hf] * dot : 0.f;
+#pragma unroll
+      for (int nd = 0; nd < kND; ++nd) dk[nd][2 * hf] -= proj * kv[nd].x, dk[nd][2 * hf + 1] -= proj * kv[nd].y;
+    }
+    const int s = n0 + r;
+    if (s < p.J) {
+      T* dkp = static_cast<T*>(p.dk) + (static_cast<int64_t>(bhk) * p.J + s) * D;
+      T* dvp = static_cast<T*>(p.dv) + (static_cast<int64_t>(bhk) * p.J + s) * D;
+#pragma unroll
+      for (int nd = 0; nd < kND; ++nd) {
+        stg_pair(dkp + nd * 8 + 2 * tq, p.grad_scale * dk[nd][2 * hf], p.grad_scale * dk[nd][2 * hf + 1]);
+        stg_pair(dvp + nd * 8 + 2 * tq, dv[nd][2 * hf], dv[nd][2 * hf + 1]);
+      }
+    }
+  }
+}
+
+// A backward block: kBc keys from n0 of one (batch, kv head), walking every query tile of every query
+// head of the group that sees one of its keys: steps are (query head, query tile), tile-minor, and
+// under causal query t sees key n0 once t >= n0 - (J - I). Positions advance without division.
+template <class T, int D, int kBc, int kBr, int kThreads>
+struct BwdWalk {
+  struct Pos {
+    int h, m0;
+  };
+  const Params& p;
+  int bhk, n0, b, hk, m_first, steps;
+  __device__ explicit BwdWalk(const Params& p_) : p(p_) {
+    // Key blocks run first-to-last across all heads: under causal the first ones see the most queries.
+    const int bhk_count = p.B * p.Hkv;
+    bhk = blockIdx.x % bhk_count, n0 = blockIdx.x / bhk_count * kBc;
+    b = bhk / p.Hkv, hk = bhk % p.Hkv;
+    const int n_mtiles = cdiv(p.I, kBr);
+    m_first = p.causal ? min(n_mtiles, max(0, n0 - (p.J - p.I)) / kBr) : 0;
+    steps = p.group * (n_mtiles - m_first);
+  }
+  __device__ Pos first() const { return {hk * p.group, m_first * kBr}; }
+  __device__ Pos next(Pos s) const {
+    s.m0 += kBr;
+    if (s.m0 >= p.I) s.m0 = m_first * kBr, ++s.h;
+    return s;
+  }
+  __device__ const uint8_t* mask() const { return p.mask ? p.mask + b * p.mask_sb : nullptr; }
+
+  // cp.async of the block's K and V tiles, and of one step's Q and dO tiles with their (stat, delta,
+  // 1/|q|) vectors (kBr floats each from `vec`), into tiles of any layout.
+  template <class Tl>
+  __device__ void load_kv(Tl sK, Tl sV) const {
+    constexpr int kRowBytes = D * sizeof(T);
+    const T* k = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh;
+    const T* v = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh;
+    cp_tile<kBc, kRowBytes, kThreads>(sK, reinterpret_cast<const char*>(k + n0 * p.k_sj), p.k_sj * sizeof(T),
+                                      p.J - n0, k);
+    cp_tile<kBc, kRowBytes, kThreads>(sV, reinterpret_cast<const char*>(v + n0 * p.v_sj), p.v_sj * sizeof(T),
+                                      p.J - n0, v);
+  }
+  template <class Tl>
+  __device__ void load_q(Pos at, Tl sQ, Tl sDO, uint32_t vec) const {
+    constexpr int kRowBytes = D * sizeof(T);
+    const T* q = static_cast<const T*>(p.q) + b * p.q_sb + at.h * p.q_sh;
+    const T* dout = static_cast<const T*>(p.dout) + static_cast<int64_t>(b * p.H + at.h) * p.I * D;
+    cp_tile<kBr, kRowBytes, kThreads>(sQ, reinterpret_cast<const char*>(q + at.m0 * p.q_si), p.q_si * sizeof(T),
+                                      p.I - at.m0, q);
+    cp_tile<kBr, kRowBytes, kThreads>(sDO, reinterpret_cast<const char*>(dout + at.m0 * D), kRowBytes, p.I - at.m0,
+                                      dout);
+    const int64_t row = static_cast<int64_t>(b * p.H + at.h) * p.i_pad + at.m0;
+    cp_floats<kBr>(vec, p.stat + row, p.i_pad - at.m0);
+    cp_floats<kBr>(vec + kBr * 4, p.delta + row, p.i_pad - at.m0);
+    if (p.rq) cp_floats<kBr>(vec + 2 * kBr * 4, p.rq + row, p.i_pad - at.m0);
+  }
+};
+
 template <class T, int D, class Policy>
 __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(const Params p) {
   using C = BwdConfig<T, D>;
   using S = BwdSmem<T, D>;
   using M = Mma<T>;
   constexpr int kThreads = C::kWarps * 32, kBc = C::kCols, kBr = C::kRows;
-  constexpr int kKD = D / 16, kNQ = kBr / 8, kND = D / 8, kRowBytes = D * sizeof(T);
+  constexpr int kKD = D / 16, kNQ = kBr / 8, kND = D / 8;
   static_assert(kBc == 16 * C::kWarps, "one m16 tile of keys per warp");
   extern __shared__ __align__(16) char smem[];
   const uint32_t s0 = smem_u32(smem);
   const Tile sK{s0 + S::kK, S::kPitch}, sV{s0 + S::kV, S::kPitch};
   const float* s_vec = reinterpret_cast<const float*>(smem + S::kVec);
 
-  // Key blocks run first-to-last across all heads: under causal the first ones see the most queries.
-  const int bhk_count = p.B * p.Hkv;
-  const int bhk = blockIdx.x % bhk_count, n0 = blockIdx.x / bhk_count * kBc;
-  const int b = bhk / p.Hkv, hk = bhk % p.Hkv;
+  const BwdWalk<T, D, kBc, kBr, kThreads> walk(p);
+  const int bhk = walk.bhk, n0 = walk.n0, b = walk.b, hk = walk.hk, steps = walk.steps;
+  const uint8_t* mask = walk.mask();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
   const int wkey = warp * 16;
-
-  const T* k = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh;
-  const uint8_t* mask = p.mask ? p.mask + b * p.mask_sb : nullptr;
-
-  // Query tiles that see a key of this block: under causal, query t sees key n0 once t >= n0 - (J - I).
-  const int n_mtiles = cdiv(p.I, kBr);
-  const int m_first = p.causal ? min(n_mtiles, max(0, n0 - (p.J - p.I)) / kBr) : 0;
-  const int steps = p.group * (n_mtiles - m_first);
-  // Steps walk (query head of the group, query tile), tile-minor; positions advance without division.
-  struct Pos {
-    int h, m0;
-  };
-  auto advance = [&](Pos s) {
-    s.m0 += kBr;
-    if (s.m0 >= p.I) s.m0 = m_first * kBr, ++s.h;
-    return s;
-  };
-
+  using Pos = typename BwdWalk<T, D, kBc, kBr, kThreads>::Pos;
   auto load_q = [&](Pos at, int stage) {
-    const T* q = static_cast<const T*>(p.q) + b * p.q_sb + at.h * p.q_sh;
-    const T* dout = static_cast<const T*>(p.dout) + static_cast<int64_t>(b * p.H + at.h) * p.I * D;
-    cp_tile<kBr, kRowBytes, kThreads>(Tile{s0 + S::kQ + stage * kBr * S::kPitch, S::kPitch},
-                                      reinterpret_cast<const char*>(q + at.m0 * p.q_si), p.q_si * sizeof(T),
-                                      p.I - at.m0, q);
-    cp_tile<kBr, kRowBytes, kThreads>(Tile{s0 + S::kDO + stage * kBr * S::kPitch, S::kPitch},
-                                      reinterpret_cast<const char*>(dout + at.m0 * D), kRowBytes, p.I - at.m0, dout);
-    const int64_t vec = static_cast<int64_t>(b * p.H + at.h) * p.i_pad + at.m0;
-    const uint32_t sv = s0 + S::kVec + stage * 3 * kBr * 4;
-    cp_floats<kBr>(sv, p.stat + vec, p.i_pad - at.m0);
-    cp_floats<kBr>(sv + kBr * 4, p.delta + vec, p.i_pad - at.m0);
-    if (p.rq) cp_floats<kBr>(sv + 2 * kBr * 4, p.rq + vec, p.i_pad - at.m0);
+    walk.load_q(at, Tile{s0 + S::kQ + stage * kBr * S::kPitch, S::kPitch},
+                Tile{s0 + S::kDO + stage * kBr * S::kPitch, S::kPitch}, s0 + S::kVec + stage * 3 * kBr * 4);
   };
-
-  cp_tile<kBc, kRowBytes, kThreads>(sK, reinterpret_cast<const char*>(k + n0 * p.k_sj), p.k_sj * sizeof(T),
-                                    p.J - n0, k);
-  cp_tile<kBc, kRowBytes, kThreads>(sV, reinterpret_cast<const char*>(v + n0 * p.v_sj), p.v_sj * sizeof(T),
-                                    p.J - n0, v);
-  Pos cur{hk * p.group, m_first * kBr}, prev = cur;
+  walk.load_kv(sK, sV);
+  Pos cur = walk.first(), prev = cur;
   if (steps > 0) load_q(cur, 0);
   cp_async_commit();
 
-  // This thread's keys n0 + wkey + g + 8*half: 1/|k|, whether the key is kept at all,
-  // and the first query that may see it under causal.
-  float rkr[2];
-  bool kept[2];
-  int first_q[2];
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int s = n0 + wkey + g + 8 * hf;
-    rkr[hf] = p.rk && s < p.J ? p.rk[static_cast<int64_t>(b * p.Hkv + hk) * p.j_pad + s] : 1.f;
-    kept[hf] = s < p.J && (mask == nullptr || mask[s]);
-    first_q[hf] = p.causal ? s - (p.J - p.I) : 0;
-  }
+  const KeyRows keys(p, b, hk, mask, n0 + wkey + g);
 
   cp_async_wait<0>();
   __syncthreads();
@@ -166,13 +342,10 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(co
     cp_async_wait<0>();
     __syncthreads();
     const int stage = step & 1, h = cur.h, m0 = cur.m0;
-    if (step + 1 < steps) load_q(advance(cur), stage ^ 1);
+    if (step + 1 < steps) load_q(walk.next(cur), stage ^ 1);
     cp_async_commit();
     const Tile sQ{s0 + S::kQ + stage * kBr * S::kPitch, S::kPitch};
     const Tile sDO{s0 + S::kDO + stage * kBr * S::kPitch, S::kPitch};
-    const float* v_stat = s_vec + stage * 3 * kBr;
-    const float* v_delta = v_stat + kBr;
-    const float* v_rq = v_delta + kBr;
     if (step > 0) dq_step(prev, stage ^ 1);
 
     // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x kBr queries.
@@ -200,102 +373,7 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(co
       }
     }
 
-    // Logits y with hidden pairs at -inf (the forward's visibility rules), then P and dL/dx per
-    // element. dS~ = dL/dx * dy/d(q.k) = dL/dx * alpha rq rk flows into dK and dQ. The weights repeat
-    // the forward's arithmetic: scale = (alpha rq) rk and, for a fixed shift on tiles without edges or
-    // bias, one fused exp2(s * scale - shift); elsewhere the shift comes off after the bias.
-    auto arq_pair = [&](int nq) {  // alpha/|q| of this thread's two queries in column tile nq
-      const float2 rq2 = p.rq ? *reinterpret_cast<const float2*>(v_rq + nq * 8 + 2 * tq) : make_float2(1.f, 1.f);
-      return make_float2(p.alpha * rq2.x, p.alpha * rq2.y);
-    };
-    auto scale_of = [&](float2 arq2, int e) { return ((e & 1) ? arq2.y : arq2.x) * rkr[e >> 1]; };
-    constexpr bool kShift = Policy::kExp && !Policy::kRowMax;
-    constexpr bool kKeepRa = D <= 64;  // the scales per element stay in registers where they fit
-    const bool edge = n0 + kBc > p.J || m0 + kBr > p.I || mask != nullptr || (p.causal && n0 + kBc - 1 > m0 + p.J - p.I);
-    const T* bias = p.bias ? static_cast<const T*>(p.bias) + b * p.bias_sb + h * p.bias_sh : nullptr;
-    const float fused_shift = kShift && !edge && !bias ? p.shift : 0.f;
-    float ra[kKeepRa ? kNQ : 1][4];
-#pragma unroll
-    for (int nq = 0; nq < kNQ; ++nq) {
-      const float2 arq2 = arq_pair(nq);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float r = scale_of(arq2, e);
-        if constexpr (kKeepRa) ra[nq][e] = r;
-        if constexpr (kShift) sc[nq][e] = fmaf(sc[nq][e], r, -fused_shift);  // exactly s * r when not fused
-        else sc[nq][e] *= r;
-      }
-    }
-    if (edge) {
-#pragma unroll
-      for (int nq = 0; nq < kNQ; ++nq)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int t = m0 + nq * 8 + 2 * tq + (e & 1);
-          if (!kept[e >> 1] || t < first_q[e >> 1] || t >= p.I) sc[nq][e] = -INFINITY;
-        }
-    }
-    if (bias) {
-#pragma unroll
-      for (int nq = 0; nq < kNQ; ++nq)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (sc[nq][e] != -INFINITY)
-            sc[nq][e] = fmaf(p.beta, bias_at(p, bias, m0 + nq * 8 + 2 * tq + (e & 1), n0 + wkey + g + 8 * (e >> 1)),
-                             sc[nq][e]);
-    }
-    if (kShift && (edge || bias)) {
-#pragma unroll
-      for (int nq = 0; nq < kNQ; ++nq)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sc[nq][e] -= p.shift;
-    }
-    // P and dL/dx per element; dL/dx is also d(loss)/d(bias) for the rare dbias store, before it is
-    // scaled into dS~ (a separate loop keeps the store's index tests off the common path).
-#pragma unroll
-    for (int nq = 0; nq < kNQ; ++nq) {
-      const float2 stat2 = *reinterpret_cast<const float2*>(v_stat + nq * 8 + 2 * tq);
-      const float2 delta2 = *reinterpret_cast<const float2*>(v_delta + nq * 8 + 2 * tq);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float y = sc[nq][e], stat = (e & 1) ? stat2.y : stat2.x, delta = (e & 1) ? delta2.y : delta2.x;
-        float P, ds;
-        if constexpr (Policy::kRowMax) {
-          P = ex2(y - stat);
-        } else if constexpr (kShift) {  // y - shift already
-          P = round_for_mma<T>(ex2(y)) * stat;
-        } else {
-          P = round_for_mma<T>(pol.weight(y)) * stat;
-        }
-        ds = pol.dlogit(P, y, dp[nq][e] - delta, stat);
-        if constexpr (!Policy::kExp) {  // exp2 gives 0 at -inf by itself; the polynomial does not
-          if (y == -INFINITY) P = 0.f, ds = 0.f;
-        }
-        sc[nq][e] = P;
-        dp[nq][e] = ds;
-      }
-    }
-    if (p.dbias) {
-      T* dbias = static_cast<T*>(p.dbias) + static_cast<int64_t>(b * p.H + h) * p.I * p.J;
-#pragma unroll
-      for (int nq = 0; nq < kNQ; ++nq)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int t = m0 + nq * 8 + 2 * tq + (e & 1), s = n0 + wkey + g + 8 * (e >> 1);
-          if (t < p.I && s < p.J) dbias[static_cast<int64_t>(t) * p.J + s] = Elem<T>::from_float(dp[nq][e]);
-        }
-    }
-#pragma unroll
-    for (int nq = 0; nq < kNQ; ++nq) {
-      if constexpr (kKeepRa) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dp[nq][e] *= ra[nq][e];
-      } else {
-        const float2 arq2 = arq_pair(nq);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dp[nq][e] *= scale_of(arq2, e);
-      }
-    }
+    bwd_scores<T, D, kBc, kBr>(p, pol, sc, dp, s_vec + stage * 3 * kBr, keys, b, h, n0, m0, n0 + wkey + g, mask);
 
     // dV += P^T dO and dK += dS~^T Q, 16 queries per k-step.
 #pragma unroll
@@ -322,43 +400,14 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(co
       for (int hf = 0; hf < 2; ++hf)
         sts_pair<T>(sDS.at(wkey + g + 8 * hf, (nq * 8 + 2 * tq) * sizeof(T)), dp[nq][2 * hf], dp[nq][2 * hf + 1]);
     prev = cur;
-    cur = advance(cur);
+    cur = walk.next(cur);
   }
   if (steps > 0) {
     __syncthreads();
     dq_step(prev, (steps - 1) & 1);
   }
 
-  // dK = c (W - rk^2 (k.W) k): the l2norm's backward, from the raw k rows still in shared memory.
-  // It drops out when |k| <= eps, where the normalisation divides by the constant eps.
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int r = wkey + g + 8 * hf;
-    if (p.rk) {
-      float2 kv[kND];
-      float dot = 0.f;
-#pragma unroll
-      for (int nd = 0; nd < kND; ++nd) {
-        kv[nd] = lds_pair<T>(sK.at(r, (nd * 8 + 2 * tq) * sizeof(T)));
-        dot += kv[nd].x * dk[nd][2 * hf] + kv[nd].y * dk[nd][2 * hf + 1];
-      }
-      dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-      dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-      const float proj = rkr[hf] < 1.f / kNormEps ? rkr[hf] * rkr[hf] * dot : 0.f;
-#pragma unroll
-      for (int nd = 0; nd < kND; ++nd) dk[nd][2 * hf] -= proj * kv[nd].x, dk[nd][2 * hf + 1] -= proj * kv[nd].y;
-    }
-    const int s = n0 + r;
-    if (s < p.J) {
-      T* dkp = static_cast<T*>(p.dk) + (static_cast<int64_t>(bhk) * p.J + s) * D;
-      T* dvp = static_cast<T*>(p.dv) + (static_cast<int64_t>(bhk) * p.J + s) * D;
-#pragma unroll
-      for (int nd = 0; nd < kND; ++nd) {
-        stg_pair(dkp + nd * 8 + 2 * tq, p.grad_scale * dk[nd][2 * hf], p.grad_scale * dk[nd][2 * hf + 1]);
-        stg_pair(dvp + nd * 8 + 2 * tq, dv[nd][2 * hf], dv[nd][2 * hf + 1]);
-      }
-    }
-  }
+  bwd_store_dkdv<T, D>(p, dk, dv, sK, wkey + g, keys, bhk, n0);
 }
 
 // One CTA per (key tile, batch, kv head).

@@ -1,7 +1,7 @@
 // One translation unit per (dtype, head dim) instantiates the forward and backward kernels and
 // registers them, so a build can compile a subset (setup.py: ATTN_DTYPES, ATTN_HEADDIMS).
 #pragma once
-#include "bwd.cuh"
+#include "bwd_sm90.cuh"
 #include "fwd.cuh"
 #include "linear.cuh"
 
@@ -16,8 +16,8 @@ constexpr LinFn linear_fn() {
 }
 }  // namespace attn
 
-#define ATTN_REGISTER(T, DTYPE, D)                                                                    \
-  namespace {                                                                                         \
-  const bool registered = attn::register_kernels(attn::Dtype::DTYPE, D, &attn::run_fwd<T, D>,          \
-                                                 &attn::run_bwd<T, D>, attn::linear_fn<T, D>());       \
+#define ATTN_REGISTER(T, DTYPE, D)                                                                   \
+  namespace {                                                                                        \
+  const bool registered = attn::register_kernels(attn::Dtype::DTYPE, D, &attn::run_fwd<T, D>,         \
+                                                 &attn::run_bwd_any<T, D>, attn::linear_fn<T, D>()); \
   }

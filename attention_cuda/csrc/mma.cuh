@@ -40,8 +40,8 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // Copy a (kRows x kRowBytes) tile whose rows lie `src_pitch` bytes apart; rows >= valid are zero-filled
 // (and read nothing: their source address is the always-valid `fallback`). Fully unrolled: the chunk
 // a thread copies is a compile-time function of its index.
-template <int kRows, int kRowBytes, int kThreads>
-__device__ __forceinline__ void cp_tile(Tile dst, const char* src, int64_t src_pitch, int valid,
+template <int kRows, int kRowBytes, int kThreads, class Dst>  // Dst: Tile, or SwTile (wgmma.cuh)
+__device__ __forceinline__ void cp_tile(Dst dst, const char* src, int64_t src_pitch, int valid,
                                         const void* fallback) {
   constexpr int kChunks = kRowBytes / 16, kTotal = kRows * kChunks;
 #pragma unroll

@@ -84,6 +84,9 @@ using LinFn = cudaError_t (*)(LinParams, cudaStream_t);
 bool register_kernels(Dtype dtype, int head_dim, FwdFn fwd, BwdFn bwd, LinFn lin);
 bool find_kernels(Dtype dtype, int head_dim, FwdFn* fwd, BwdFn* bwd, LinFn* lin = nullptr);
 std::vector<int64_t> compiled_head_dims(Dtype dtype);
+// Whether to run the Hopper (wgmma) kernels where they are built (macro ATTN_SM90A): on a compute
+// capability 9.0 device, unless the environment sets ATTN_PORTABLE_KERNELS=1 (the mma.sync kernels).
+bool use_sm90();
 
 // Row-wise helpers (aux.cu).
 // 1 / max(|x_row|, eps) for x (B,H,N,D) with element strides (sb, sh, si), into out (B,H,n_pad).

@@ -1,0 +1,172 @@
+// Backward on Hopper (sm_90a): the mma.sync backward's block and step structure (bwd.cuh) with every
+// product on warpgroup MMAs reading their operands straight from swizzled shared memory.
+//
+// One block per (batch, kv head, 128 keys): two warpgroups of 64 keys, each warp 16 of them, so the
+// transposed scores S^T = K Q^T and dP^T = V dO^T land in exactly the registers the mma.sync kernel
+// has them in, and the per-element work (bwd_scores) and the dK/dV epilogue are the same functions.
+// Per step of 64 queries: S^T and dP^T (wgmma, both operands in shared memory), then P^T and dS~^T
+// in registers feed dV += P^T dO and dK += dS~^T Q as register A operands, while dS~^T goes to shared
+// memory for dQ = dS~ K in the next step (each warpgroup 32 of the head dim's columns, added to the
+// fp32 buffer with vector atomics). Loads are cp.async, double-buffered, one barrier per step.
+#pragma once
+#include "bwd.cuh"
+#include "wgmma.cuh"
+
+namespace attn {
+
+template <class T, int D>
+struct Sm90Bwd {
+  static constexpr bool kSupported = sizeof(T) == 2 && D == 64;
+  static constexpr int kWarps = 8, kCols = 128, kRows = 64;  // keys per block (64 per warpgroup), queries per step
+  static constexpr int kTileK = kCols * D * sizeof(T), kTileQ = kRows * D * sizeof(T), kTileS = kCols * kRows * sizeof(T);
+  // K | V | 2 x Q | 2 x dO | 2 x dS~^T | 2 x (stat, delta, 1/|q|), every tile 1024-byte aligned (the
+  // swizzle pattern's period), plus the slack to align the dynamic shared memory's start.
+  static constexpr int kK = 0, kV = kTileK, kQ = 2 * kTileK, kDO = kQ + 2 * kTileQ, kDS = kDO + 2 * kTileQ;
+  static constexpr int kVec = kDS + 2 * kTileS, kBytes = kVec + 2 * 3 * kRows * 4 + 1024;
+};
+
+template <class T, int D, class Policy>
+__global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel(const Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = Sm90Bwd<T, D>;
+  using M = Mma<T>;
+  constexpr int kThreads = C::kWarps * 32, kBc = C::kCols, kBr = C::kRows;
+  constexpr int kKD = D / 16, kNQ = kBr / 8, kND = D / 8, kDQ = D / 2;  // kDQ: dQ columns per warpgroup
+  static_assert(kDQ == 32, "dQ's B operand is one 32-column panel of K");
+  extern __shared__ __align__(1024) char smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw), s0 = (raw + 1023) & ~1023u;
+  const float* s_vec = reinterpret_cast<const float*>(smem_raw + (s0 - raw) + C::kVec);
+  const SwTile sK{s0 + C::kK, kBc}, sV{s0 + C::kV, kBc};
+  auto q_tile = [&](int stage) { return SwTile{s0 + C::kQ + stage * C::kTileQ, kBr}; };
+  auto do_tile = [&](int stage) { return SwTile{s0 + C::kDO + stage * C::kTileQ, kBr}; };
+  auto ds_tile = [&](int stage) { return SwTile{s0 + C::kDS + stage * C::kTileS, kBc}; };
+
+  const BwdWalk<T, D, kBc, kBr, kThreads> walk(p);
+  const int bhk = walk.bhk, n0 = walk.n0, b = walk.b, hk = walk.hk, steps = walk.steps;
+  const uint8_t* mask = walk.mask();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const int wg = warp / 4, wkey = warp * 16;  // warpgroup wg: keys 64 wg ..; this warp: 16 of them
+  using Pos = typename BwdWalk<T, D, kBc, kBr, kThreads>::Pos;
+  auto load_q = [&](Pos at, int stage) {
+    walk.load_q(at, q_tile(stage), do_tile(stage), s0 + C::kVec + stage * 3 * kBr * 4);
+  };
+  walk.load_kv(sK, sV);
+  Pos cur = walk.first(), prev = cur;
+  if (steps > 0) load_q(cur, 0);
+  cp_async_commit();
+  const KeyRows keys(p, b, hk, mask, n0 + wkey + g);
+
+  // dQ += dS~ K for one step's 64 queries: A = dS~ read M-major from the dS~^T tile (keys as rows), B =
+  // this warpgroup's 32-column panel of K read N-major; the reduction runs over the block's 128 keys.
+  auto dq_step = [&](Pos at, int stage) {
+    float dqa[kDQ / 8][4];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBc / 16; ++kk)
+      wgmma_ss<1, 1>(dqa, desc_mn(ds_tile(stage), kk * 16, 0), desc_mn(sK, kk * 16, wg), kk > 0, T{});
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(dqa);
+    float* dq = p.dq_accum + static_cast<int64_t>(b * p.H + at.h) * p.I * D + wg * kDQ;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int t = at.m0 + (warp % 4) * 16 + g + 8 * hf;
+      if (t < p.I) {
+#pragma unroll
+        for (int n = 0; n < kDQ / 8; ++n)
+          red_add2(dq + static_cast<int64_t>(t) * D + n * 8 + 2 * tq, dqa[n][2 * hf], dqa[n][2 * hf + 1]);
+      }
+    }
+  };
+
+  const Policy pol(p);
+  float dk[kND][4] = {}, dv[kND][4] = {};
+  for (int step = 0; step < steps; ++step) {
+    // This step's tiles have landed for every thread and are visible to the async proxy; every
+    // warpgroup is done with step-1, so its dS~^T is complete and the other stage is free.
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    const int stage = step & 1, h = cur.h, m0 = cur.m0;
+    if (step + 1 < steps) load_q(walk.next(cur), stage ^ 1);
+    cp_async_commit();
+    if (step > 0) dq_step(prev, stage ^ 1);
+
+    // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys x 64 queries; P^T's work starts as
+    // soon as S^T is in, while dP^T is still running.
+    float sc[kNQ][4], dp[kNQ][4];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kKD; ++kk)
+      wgmma_ss<0, 0>(sc, desc_k(sK, 64 * wg, kk * 16, sizeof(T)), desc_k(q_tile(stage), 0, kk * 16, sizeof(T)), kk > 0,
+                     T{});
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < kKD; ++kk)
+      wgmma_ss<0, 0>(dp, desc_k(sV, 64 * wg, kk * 16, sizeof(T)), desc_k(do_tile(stage), 0, kk * 16, sizeof(T)),
+                     kk > 0, T{});
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(sc);
+    fence_acc(dp);
+
+    bwd_scores<T, D, kBc, kBr>(p, pol, sc, dp, s_vec + stage * 3 * kBr, keys, b, h, n0, m0, n0 + wkey + g, mask);
+
+    // dV += P^T dO and dK += dS~^T Q, 16 queries per k-step, dO and Q read N-major.
+    uint32_t pa[kNQ / 2][M::kA], da[kNQ / 2][M::kA];
+#pragma unroll
+    for (int kq = 0; kq < kNQ / 2; ++kq) {
+      M::c_to_a(pa[kq], sc[2 * kq], sc[2 * kq + 1]);
+      M::c_to_a(da[kq], dp[2 * kq], dp[2 * kq + 1]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kq = 0; kq < kNQ / 2; ++kq) {
+      wgmma_rs<1>(dv, pa[kq], desc_mn(do_tile(stage), kq * 16, 0), 1, T{});
+      wgmma_rs<1>(dk, da[kq], desc_mn(q_tile(stage), kq * 16, 0), 1, T{});
+    }
+    wgmma_commit();
+    // dS~^T to this step's buffer while those run, for dQ during the next step.
+    const SwTile sDS = ds_tile(stage);
+#pragma unroll
+    for (int nq = 0; nq < kNQ; ++nq)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+        sts_pair<T>(sDS.at(wkey + g + 8 * hf, (nq * 8 + 2 * tq) * sizeof(T)), dp[nq][2 * hf], dp[nq][2 * hf + 1]);
+    fence_proxy_async();
+    wgmma_wait<0>();
+    fence_acc(dk);
+    fence_acc(dv);
+    prev = cur;
+    cur = walk.next(cur);
+  }
+  if (steps > 0) {
+    __syncthreads();
+    dq_step(prev, (steps - 1) & 1);
+  }
+  bwd_store_dkdv<T, D>(p, dk, dv, sK, wkey + g, keys, bhk, n0);
+#endif
+}
+
+template <class T, int D>
+cudaError_t run_bwd_sm90(const Params& p, Score score, cudaStream_t stream) {
+  using C = Sm90Bwd<T, D>;
+  const int64_t blocks = static_cast<int64_t>(cdiv(p.J, C::kCols)) * p.B * p.Hkv;
+  return with_policy(score, [&](auto policy) {
+    return launch(bwd_sm90_kernel<T, D, typename decltype(policy)::type>, blocks, C::kWarps * 32, C::kBytes, p, stream);
+  });
+}
+
+// The backward for the current device: the Hopper kernel where it is built and covers (T, D), else
+// the mma.sync one.
+template <class T, int D>
+cudaError_t run_bwd_any(const Params& p, Score score, cudaStream_t stream) {
+#if defined(ATTN_SM90A)
+  if constexpr (Sm90Bwd<T, D>::kSupported) {
+    if (use_sm90()) return run_bwd_sm90<T, D>(p, score, stream);
+  }
+#endif
+  return run_bwd<T, D>(p, score, stream);
+}
+
+}  // namespace attn

@@ -1,0 +1,116 @@
+// Hopper (sm_90a) building blocks: warpgroup MMA (wgmma) on operands in 64-byte-swizzled shared memory.
+//
+// One layout serves every tile: rows of D elements are cut into panels of 32 columns (64 bytes); a
+// panel holds its rows back to back, and the 16-byte chunk c of row r sits at chunk c ^ ((r >> 1) & 3)
+// (the hardware's 64-byte swizzle, so ldmatrix-free wgmma reads and cp.async writes are both free of
+// bank conflicts). Such a tile can be read either way round:
+//   - K-major, the reduction along the columns (Q K^T: k = head dim): a 16-column step stays within a
+//     panel, 8-row groups lie 512 bytes apart;
+//   - MN-major, the reduction along the rows (P V: k = keys): 8-row groups 512 bytes apart, panels of
+//     32 output columns one panel stride apart.
+// The accumulator of m64nNk16 gives each warp of the warpgroup 16 rows in exactly the mma.sync m16n8
+// layout (d[n][0..3] = (g, 8n+2t..+1), (g+8, 8n+2t..+1)), and a register A operand is the mma.sync
+// m16k16 A fragment: so the per-element code of the mma.sync kernels runs unchanged on these
+// fragments, and c_to_a feeds P and dS back into the next product.
+#pragma once
+#include "mma.cuh"
+
+namespace attn {
+
+// A tile of `rows` rows in the swizzled panel layout; at() has the interface of Tile::at.
+struct SwTile {
+  uint32_t base;  // 1024-byte aligned
+  int rows;
+  __device__ __forceinline__ uint32_t at(int row, int byte) const {
+    const int chunk = (byte >> 4) & 3;
+    return base + (byte >> 6) * rows * 64 + row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4) + (byte & 15);
+  }
+  __device__ __forceinline__ int panel_bytes() const { return rows * 64; }
+};
+
+// Shared-memory matrix descriptor (PTX ISA, "matrix descriptor format"): start address, leading and
+// stride byte offsets (16-byte units), 64-byte swizzle (mode 2).
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead_bytes, uint32_t stride_bytes) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | static_cast<uint64_t>((lead_bytes >> 4) & 0x3FFF) << 16 |
+         static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32 | 2ull << 62;
+}
+// The 64-row x 16-column (K-major) block of t at (row0, col0): an A or B operand read along its columns.
+__device__ __forceinline__ uint64_t desc_k(const SwTile& t, int row0, int col0, int elem_bytes) {
+  const int byte = col0 * elem_bytes;
+  return smem_desc(t.base + (byte >> 6) * t.panel_bytes() + row0 * 64 + (byte & 63), 16, 512);
+}
+// The 16-row block of t at row0, all columns from panel `panel0` on (MN-major): an operand read along
+// its rows.
+__device__ __forceinline__ uint64_t desc_mn(const SwTile& t, int row0, int panel0) {
+  return smem_desc(t.base + panel0 * t.panel_bytes() + row0 * 64, t.panel_bytes(), 512);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Generic-proxy writes to shared memory (st.shared, cp.async) become visible to wgmma's reads (the
+// async proxy) after this fence and a barrier.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Keeps the compiler from moving reads or writes of an accumulator across wgmma_wait / wgmma_fence.
+template <int kN>
+__device__ __forceinline__ void fence_acc(float (&d)[kN][4]) {
+#pragma unroll
+  for (int n = 0; n < kN; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[n][e])::"memory");
+}
+
+// d (64 x N, fp32, accumulate != 0 adds to it) += A B with A (64 x 16) and B (16 x N) in shared memory
+// (wgmma_ss; kTA / kTB = 1: the operand is MN-major) or A in registers (wgmma_rs). One overload per
+// (N, element type); the PTX type goes in as a string.
+
+// Accumulator operand lists: N/2 fp32 registers per thread.
+#define ATTN_D32_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define ATTN_D32_OPS "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+    "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+#define ATTN_D64_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define ATTN_D64_OPS "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+    "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
+    "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+    "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+#define ATTN_D128_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define ATTN_D128_OPS "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+    "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
+    "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+    "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), \
+    "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
+    "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
+    "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
+    "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+
+// I0..I6: the operand numbers after the N/2 accumulators (inline asm numbers outputs first).
+#define ATTN_WGMMA(N, TY, PT, I0, I1, I2, I3, I4, I5, I6)                                                      \
+  template <int kTA, int kTB>                                                                                  \
+  __device__ __forceinline__ void wgmma_ss(float(&d)[N / 8][4], uint64_t da, uint64_t db, int accumulate, TY) { \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" I2 ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N         \
+                 "k16.f32." PT "." PT " " ATTN_D##N##_REGS ", %" I0 ", %" I1 ", p, 1, 1, %" I3 ", %" I4 ";\n}\n"  \
+                 : ATTN_D##N##_OPS                                                                             \
+                 : "l"(da), "l"(db), "r"(accumulate), "n"(kTA), "n"(kTB));                                     \
+  }                                                                                                            \
+  template <int kTB>                                                                                           \
+  __device__ __forceinline__ void wgmma_rs(float(&d)[N / 8][4], const uint32_t(&a)[4], uint64_t db, int accumulate, \
+                                           TY) {                                                               \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" I5 ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N         \
+                 "k16.f32." PT "." PT " " ATTN_D##N##_REGS ", {%" I0 ", %" I1 ", %" I2 ", %" I3 "}, %" I4      \
+                 ", p, 1, 1, %" I6 ";\n}\n"                                                                    \
+                 : ATTN_D##N##_OPS                                                                             \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate), "n"(kTB));           \
+  }
+
+ATTN_WGMMA(32, __nv_bfloat16, "bf16", "16", "17", "18", "19", "20", "21", "22")
+ATTN_WGMMA(32, __half, "f16", "16", "17", "18", "19", "20", "21", "22")
+ATTN_WGMMA(64, __nv_bfloat16, "bf16", "32", "33", "34", "35", "36", "37", "38")
+ATTN_WGMMA(64, __half, "f16", "32", "33", "34", "35", "36", "37", "38")
+ATTN_WGMMA(128, __nv_bfloat16, "bf16", "64", "65", "66", "67", "68", "69", "70")
+ATTN_WGMMA(128, __half, "f16", "64", "65", "66", "67", "68", "69", "70")
+#undef ATTN_WGMMA
+
+}  // namespace attn
