@@ -33,7 +33,7 @@ if step build; then
     echo "BUILD FAILED (build.log)"
     exit 1
   fi
-  grep -E "ptxas (warning|error)|spill" "$OUT/build.log" | sort | uniq -c | head -20
+  grep -E "ptxas (warning|error)|spill|C7514" "$OUT/build.log" | sort | uniq -c | head -20
 fi
 
 if step tests; then

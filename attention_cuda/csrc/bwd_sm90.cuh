@@ -58,14 +58,15 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
 
   // dQ += dS~ K for one step's 64 queries: A = dS~ read M-major from the dS~^T tile (keys as rows), B =
   // this warpgroup's 32-column panel of K read N-major; the reduction runs over the block's 128 keys.
-  auto dq_step = [&](Pos at, int stage) {
-    float dqa[kDQ / 8][4];
-    wgmma_fence();
+  // One wgmma group, issued ahead of the step's S^T and dP^T; dq_add adds the result once it is in.
+  float dqa[kDQ / 8][4];
+  auto dq_issue = [&](int stage) {
 #pragma unroll
     for (int kk = 0; kk < kBc / 16; ++kk)
       wgmma_ss<1, 1>(dqa, desc_mn(ds_tile(stage), kk * 16, 0), desc_mn(sK, kk * 16, wg), kk > 0, T{});
     wgmma_commit();
-    wgmma_wait<0>();
+  };
+  auto dq_add = [&](Pos at) {
     fence_acc(dqa);
     float* dq = p.dq_accum + static_cast<int64_t>(b * p.H + at.h) * p.I * D + wg * kDQ;
 #pragma unroll
@@ -90,12 +91,12 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     const int stage = step & 1, h = cur.h, m0 = cur.m0;
     if (step + 1 < steps) load_q(walk.next(cur), stage ^ 1);
     cp_async_commit();
-    if (step > 0) dq_step(prev, stage ^ 1);
 
-    // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys x 64 queries; P^T's work starts as
-    // soon as S^T is in, while dP^T is still running.
+    // The previous step's dQ, then S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys x 64
+    // queries, all in flight together.
     float sc[kNQ][4], dp[kNQ][4];
     wgmma_fence();
+    if (step > 0) dq_issue(stage ^ 1);
 #pragma unroll
     for (int kk = 0; kk < kKD; ++kk)
       wgmma_ss<0, 0>(sc, desc_k(sK, 64 * wg, kk * 16, sizeof(T)), desc_k(q_tile(stage), 0, kk * 16, sizeof(T)), kk > 0,
@@ -106,7 +107,10 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
       wgmma_ss<0, 0>(dp, desc_k(sV, 64 * wg, kk * 16, sizeof(T)), desc_k(do_tile(stage), 0, kk * 16, sizeof(T)),
                      kk > 0, T{});
     wgmma_commit();
+    // (Adding dQ after a wait for its group alone would overlap the atomics too, but ptxas then
+    // serialises every wgmma of the kernel: it sees accumulators read inside the pipeline stage.)
     wgmma_wait<0>();
+    if (step > 0) dq_add(prev);
     fence_acc(sc);
     fence_acc(dp);
 
@@ -142,7 +146,10 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
   }
   if (steps > 0) {
     __syncthreads();
-    dq_step(prev, (steps - 1) & 1);
+    wgmma_fence();
+    dq_issue((steps - 1) & 1);
+    wgmma_wait<0>();
+    dq_add(prev);
   }
   bwd_store_dkdv<T, D>(p, dk, dv, sK, wkey + g, keys, bhk, n0);
 #endif

@@ -33,6 +33,109 @@ struct FwdSmem {  // Q tile | kStages x (K tile, V tile, 1/|k| of the tile's key
   static constexpr int kRk = kV + kStages * C::kCols * kPitch, kBytes = kRk + kStages * C::kCols * 4;
 };
 
+// One warp's 16*kMT query rows x 8*kNC keys of a forward step, from S = Q K^T in the m16n8 accumulator
+// layout (rows row0 + 16 mt + g (+8), keys n0 + 8 nc + 2 tq (+1)): on return s holds the weights A(y)
+// (0 where hidden), and with a running row max, mx is updated and o, l are rescaled to it. rs = alpha/|q|
+// of the thread's rows, last = their last visible key, rk_tile = the tile's 1/|k| (read only with the qk
+// norm: has_rk), bias = this (batch, head)'s bias or null. The rows br0 .. br0 + kBr - 1 (the block's
+// or warpgroup's) decide whether the tile has an edge: cuts a sequence end, the causal diagonal or a key
+// mask (otherwise every pair is visible). Shared by the mma.sync and wgmma forwards.
+template <class T, int kBr, int kMT, int kNC, int kND, class Policy>
+__device__ __forceinline__ void fwd_scores(const Params& p, const Policy& pol, float (&s)[kMT][kNC][4],
+                                           float (&o)[kMT][kND][4], float (&l)[kMT][4], float (&mx)[kMT][2],
+                                           const float (&rs)[kMT][2], const int (&last)[kMT][2],
+                                           bool has_rk, const float* rk_tile, const T* bias, const uint8_t* mask,
+                                           int row0, int n0, int br0, int g, int tq) {
+  constexpr int kBc = 8 * kNC;
+  // Logit scale alpha/(|q||k|) of each element, from this thread's rows and columns.
+  float2 kr[kNC];
+#pragma unroll
+  for (int nc = 0; nc < kNC; ++nc)
+    kr[nc] = has_rk ? *reinterpret_cast<const float2*>(rk_tile + nc * 8 + 2 * tq) : make_float2(1.f, 1.f);
+  auto scale_of = [&](int mt, int nc, int e) { return rs[mt][e >> 1] * ((e & 1) ? kr[nc].y : kr[nc].x); };
+
+  const bool edge = n0 + kBc > p.J || br0 + kBr > p.I || mask != nullptr ||
+                    (p.causal && n0 + kBc - 1 > br0 + p.J - p.I);
+
+  bool fused = false;
+  if constexpr (Policy::kExp && !Policy::kRowMax) {
+    if (!edge && !bias) {  // the common case, fused: A = exp2(s * scale - shift)
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nc = 0; nc < kNC; ++nc)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][nc][e] = ex2(fmaf(s[mt][nc][e], scale_of(mt, nc, e), -pol.shift));
+      fused = true;
+    }
+  }
+  if (!fused) {
+    // Logits y, with hidden pairs set to -inf. Only tiles that cut a sequence end, the causal
+    // diagonal or a key mask test visibility per element; only bias loads the bias.
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int nc = 0; nc < kNC; ++nc)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nc][e] *= scale_of(mt, nc, e);
+    if (edge) {
+      const uint32_t cols = visible_cols<kNC>(p, mask, n0 + 2 * tq);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nc = 0; nc < kNC; ++nc)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (!(cols >> (2 * nc + (e & 1)) & 1) || nc * 8 + 2 * tq + (e & 1) > last[mt][e >> 1] - n0)
+              s[mt][nc][e] = -INFINITY;
+    }
+    if (bias) {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nc = 0; nc < kNC; ++nc)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (s[mt][nc][e] != -INFINITY)
+              s[mt][nc][e] = fmaf(p.beta, bias_at(p, bias, row0 + mt * 16 + g + 8 * (e >> 1),
+                                                  n0 + nc * 8 + 2 * tq + (e & 1)), s[mt][nc][e]);
+    }
+    if constexpr (Policy::kRowMax) {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          float m = -INFINITY;
+#pragma unroll
+          for (int nc = 0; nc < kNC; ++nc) m = fmaxf(m, fmaxf(s[mt][nc][2 * hf], s[mt][nc][2 * hf + 1]));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+          const float m_new = fmaxf(mx[mt][hf], m);
+          const float base = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet stays 0
+          const float corr = ex2(mx[mt][hf] - base);
+          mx[mt][hf] = m_new;
+          l[mt][2 * hf] *= corr;
+#pragma unroll
+          for (int nd = 0; nd < kND; ++nd) o[mt][nd][2 * hf] *= corr, o[mt][nd][2 * hf + 1] *= corr;
+#pragma unroll
+          for (int nc = 0; nc < kNC; ++nc)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) s[mt][nc][2 * hf + c] = ex2(s[mt][nc][2 * hf + c] - base);
+        }
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nc = 0; nc < kNC; ++nc)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float y = s[mt][nc][e];
+            s[mt][nc][e] = Policy::kExp || y != -INFINITY ? pol.weight(y) : 0.f;  // exp2(-inf) is 0 already
+          }
+    }
+  }
+}
+
 template <class T, int D, class Policy>
 __global__ void __launch_bounds__(FwdConfig<T, D>::kWarps * 32) fwd_kernel(const Params p) {
   using C = FwdConfig<T, D>;
@@ -153,92 +256,8 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kWarps * 32) fwd_kernel(const
       }
     }
 
-    // Logit scale alpha/(|q||k|) of each element, from this thread's rows and columns.
-    float2 kr[kNC];
-#pragma unroll
-    for (int nc = 0; nc < kNC; ++nc)
-      kr[nc] = rk ? *reinterpret_cast<const float2*>(s_rk + stage * kBc + nc * 8 + 2 * tq) : make_float2(1.f, 1.f);
-    auto scale_of = [&](int mt, int nc, int e) { return rs[mt][e >> 1] * ((e & 1) ? kr[nc].y : kr[nc].x); };
-
-    const bool edge = n0 + kBc > p.J || m0 + kBr > p.I || mask != nullptr ||
-                      (p.causal && n0 + kBc - 1 > m0 + p.J - p.I);
-    bool fused = false;
-    if constexpr (Policy::kExp && !Policy::kRowMax) {
-      if (!edge && !bias) {  // the common case, fused: A = exp2(s * scale - shift)
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-          for (int nc = 0; nc < kNC; ++nc)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[mt][nc][e] = ex2(fmaf(s[mt][nc][e], scale_of(mt, nc, e), -pol.shift));
-        fused = true;
-      }
-    }
-    if (!fused) {
-      // Logits y, with hidden pairs set to -inf. Only tiles that cut a sequence end, the causal
-      // diagonal or a key mask test visibility per element; only bias loads the bias.
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int nc = 0; nc < kNC; ++nc)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[mt][nc][e] *= scale_of(mt, nc, e);
-      if (edge) {
-        const uint32_t cols = visible_cols<kNC>(p, mask, n0 + 2 * tq);
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-          for (int nc = 0; nc < kNC; ++nc)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              if (!(cols >> (2 * nc + (e & 1)) & 1) || nc * 8 + 2 * tq + (e & 1) > last[mt][e >> 1] - n0)
-                s[mt][nc][e] = -INFINITY;
-      }
-      if (bias) {
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-          for (int nc = 0; nc < kNC; ++nc)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              if (s[mt][nc][e] != -INFINITY)
-                s[mt][nc][e] = fmaf(p.beta, bias_at(p, bias, m0 + wrow + mt * 16 + g + 8 * (e >> 1),
-                                                    n0 + nc * 8 + 2 * tq + (e & 1)), s[mt][nc][e]);
-      }
-      if constexpr (Policy::kRowMax) {
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-          for (int hf = 0; hf < 2; ++hf) {
-            float m = -INFINITY;
-#pragma unroll
-            for (int nc = 0; nc < kNC; ++nc) m = fmaxf(m, fmaxf(s[mt][nc][2 * hf], s[mt][nc][2 * hf + 1]));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-            const float m_new = fmaxf(mx[mt][hf], m);
-            const float base = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet stays 0
-            const float corr = ex2(mx[mt][hf] - base);
-            mx[mt][hf] = m_new;
-            l[mt][2 * hf] *= corr;
-#pragma unroll
-            for (int nd = 0; nd < kND; ++nd) o[mt][nd][2 * hf] *= corr, o[mt][nd][2 * hf + 1] *= corr;
-#pragma unroll
-            for (int nc = 0; nc < kNC; ++nc)
-#pragma unroll
-              for (int c = 0; c < 2; ++c) s[mt][nc][2 * hf + c] = ex2(s[mt][nc][2 * hf + c] - base);
-          }
-      } else {
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-          for (int nc = 0; nc < kNC; ++nc)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const float y = s[mt][nc][e];
-              s[mt][nc][e] = Policy::kExp || y != -INFINITY ? pol.weight(y) : 0.f;  // exp2(-inf) is 0 already
-            }
-      }
-    }
+    fwd_scores<T, kBr>(p, pol, s, o, l, mx, rs, last, rk != nullptr, s_rk + stage * kBc, bias, mask, m0 + wrow, n0, m0,
+                       g, tq);
 
     // O += P V and l += P 1, 16 keys (two accumulator tiles) per k-step.
 #pragma unroll

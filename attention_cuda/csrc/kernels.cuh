@@ -2,7 +2,7 @@
 // registers them, so a build can compile a subset (setup.py: ATTN_DTYPES, ATTN_HEADDIMS).
 #pragma once
 #include "bwd_sm90.cuh"
-#include "fwd.cuh"
+#include "fwd_sm90.cuh"
 #include "linear.cuh"
 
 namespace attn {
@@ -18,6 +18,6 @@ constexpr LinFn linear_fn() {
 
 #define ATTN_REGISTER(T, DTYPE, D)                                                                   \
   namespace {                                                                                        \
-  const bool registered = attn::register_kernels(attn::Dtype::DTYPE, D, &attn::run_fwd<T, D>,         \
+  const bool registered = attn::register_kernels(attn::Dtype::DTYPE, D, &attn::run_fwd_any<T, D>,     \
                                                  &attn::run_bwd_any<T, D>, attn::linear_fn<T, D>()); \
   }
