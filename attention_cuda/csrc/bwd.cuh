@@ -50,18 +50,16 @@ struct KeyRows {
   }
 };
 
-// One warp's 16 keys x kBr queries of a backward step, from S^T = K Q^T (sc) and dP^T = V dO^T (dp) in
-// the m16n8 accumulator layout: on return sc holds P^T and dp holds dS~^T. `vec` is the step's
-// (stat, delta, 1/|q|) vectors of kBr floats each; key0 = this thread's first key (g of the warp's 16).
+// One warp's 16 keys x kBr queries m0.. of a backward step, from S^T = K Q^T (sc) and dP^T = V dO^T (dp)
+// in the m16n8 accumulator layout: on return sc holds P^T and dp holds dS~^T. v_stat, v_delta, v_rq:
+// the queries' stat, delta and 1/|q|; key0 = this thread's first key (g of the warp's 16).
 template <class T, int D, int kBc, int kBr, class Policy>
 __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, float (&sc)[kBr / 8][4],
-                                           float (&dp)[kBr / 8][4], const float* vec, const KeyRows& keys, int b,
-                                           int h, int n0, int m0, int key0, const uint8_t* mask) {
+                                           float (&dp)[kBr / 8][4], const float* v_stat, const float* v_delta,
+                                           const float* v_rq, const KeyRows& keys, int b, int h, int n0, int m0,
+                                           int key0, const uint8_t* mask) {
   constexpr int kNQ = kBr / 8;
   const int tq = lane_id() % 4;
-  const float* v_stat = vec;
-  const float* v_delta = vec + kBr;
-  const float* v_rq = vec + 2 * kBr;
   // Logits y with hidden pairs at -inf (the forward's visibility rules), then P and dL/dx per
   // element. dS~ = dL/dx * dy/d(q.k) = dL/dx * alpha rq rk flows into dK and dQ. The weights repeat
   // the forward's arithmetic: scale = (alpha rq) rk and, for a fixed shift on tiles without edges or
@@ -373,7 +371,8 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(co
       }
     }
 
-    bwd_scores<T, D, kBc, kBr>(p, pol, sc, dp, s_vec + stage * 3 * kBr, keys, b, h, n0, m0, n0 + wkey + g, mask);
+    const float* vec = s_vec + stage * 3 * kBr;
+    bwd_scores<T, D, kBc, kBr>(p, pol, sc, dp, vec, vec + kBr, vec + 2 * kBr, keys, b, h, n0, m0, n0 + wkey + g, mask);
 
     // dV += P^T dO and dK += dS~^T Q, 16 queries per k-step.
 #pragma unroll

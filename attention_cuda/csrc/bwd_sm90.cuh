@@ -114,22 +114,30 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     fence_acc(sc);
     fence_acc(dp);
 
-    bwd_scores<T, D, kBc, kBr>(p, pol, sc, dp, s_vec + stage * 3 * kBr, keys, b, h, n0, m0, n0 + wkey + g, mask);
-
-    // dV += P^T dO and dK += dS~^T Q, 16 queries per k-step, dO and Q read N-major.
+    // Per half of the queries: P^T and dS~^T, then dV += P^T dO and dK += dS~^T Q (16 queries per k-step,
+    // dO and Q read N-major) issued at once, so the first half's products run during the second
+    // half's exps.
+    constexpr int kHalf = kNQ / 2;
     uint32_t pa[kNQ / 2][M::kA], da[kNQ / 2][M::kA];
 #pragma unroll
-    for (int kq = 0; kq < kNQ / 2; ++kq) {
-      M::c_to_a(pa[kq], sc[2 * kq], sc[2 * kq + 1]);
-      M::c_to_a(da[kq], dp[2 * kq], dp[2 * kq + 1]);
-    }
-    wgmma_fence();
+    for (int hq = 0; hq < 2; ++hq) {
+      const float* vec = s_vec + stage * 3 * kBr + hq * kBr / 2;
+      bwd_scores<T, D, kBc, kBr / 2>(p, pol, *reinterpret_cast<float(*)[kHalf][4]>(sc[hq * kHalf]),
+                                     *reinterpret_cast<float(*)[kHalf][4]>(dp[hq * kHalf]), vec, vec + kBr,
+                                     vec + 2 * kBr, keys, b, h, n0, m0 + hq * kBr / 2, n0 + wkey + g, mask);
 #pragma unroll
-    for (int kq = 0; kq < kNQ / 2; ++kq) {
-      wgmma_rs<1>(dv, pa[kq], desc_mn(do_tile(stage), kq * 16, 0), 1, T{});
-      wgmma_rs<1>(dk, da[kq], desc_mn(q_tile(stage), kq * 16, 0), 1, T{});
+      for (int kq = hq * kHalf / 2; kq < (hq + 1) * kHalf / 2; ++kq) {
+        M::c_to_a(pa[kq], sc[2 * kq], sc[2 * kq + 1]);
+        M::c_to_a(da[kq], dp[2 * kq], dp[2 * kq + 1]);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int kq = hq * kHalf / 2; kq < (hq + 1) * kHalf / 2; ++kq) {
+        wgmma_rs<1>(dv, pa[kq], desc_mn(do_tile(stage), kq * 16, 0), 1, T{});
+        wgmma_rs<1>(dk, da[kq], desc_mn(q_tile(stage), kq * 16, 0), 1, T{});
+      }
+      wgmma_commit();
     }
-    wgmma_commit();
     // dS~^T to this step's buffer while those run, for dQ during the next step.
     const SwTile sDS = ds_tile(stage);
 #pragma unroll
