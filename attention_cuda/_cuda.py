@@ -190,6 +190,12 @@ def linear_attention(q, k, v, mask, causal: bool, policy: ScorePolicy) -> torch.
     """
     from .reference import scale_rows
 
+    if k.shape[2] <= LINEAR_CHUNK:
+        # All keys fit in one chunk: the tiled kernel does the whole call as one block, at I*J*D, below
+        # the moments' cost, and rounded as the quadratic form. It also matters for precision: with one
+        # visible key the exact dq, dk are 0 and dv is dO, which the tiled kernels (and PyTorch) hit
+        # exactly (P = 1), so the FA rule leaves only its atol; moments rounded to fp16/bf16 miss by ulps.
+        return attention(q, k, v, mask, None, causal, policy)
     dtype = _run_dtype(q)
     q, k, v = (t.to(dtype) for t in (q, k, v))
     b, h, i, d = q.shape
@@ -220,7 +226,8 @@ class _LinearAttention(torch.autograd.Function):
 
     Backward, with g = [dO, -(dO . O)] / l: dq from the same moments read against g (R2), dk and dv from
     the moments of psi(q) g^T carried in reverse (R1 and R2 with the keys), and the diagonal blocks from
-    attn_cuda::bwd, which given the final O and 1/l computes exactly their share.
+    attn_cuda::bwd, which given the final O and 1/l computes exactly their share. The two sweeps take
+    the values shifted by their mean mu, and g's last column as -(dO . (O - mu)) / l (see backward).
     """
 
     @staticmethod
@@ -250,16 +257,32 @@ class _LinearAttention(torch.autograd.Function):
         b, nc, h, n, dp = qc.shape
         d, group, second = dp - 16, qc.shape[2] // kc.shape[2], coefs[2] != 0
         dout = dout.contiguous()
-        delta = (dout.float() * out.float()).sum(-1, keepdim=True)
+        # The sweeps' dq and dk sum phi(k_s) (dO . v_s - dO . O) / l over keys, as the moments of [v, 1]
+        # read against g = [dO, -dO . O] / l: two sums, each rounded (g and the moments enter the tensor
+        # cores in fp16/bf16), that cancel down to the spread of v. Values with a common offset (real
+        # activations have one) make both parts large and the rounding of each shows. The weights sum
+        # to 1, so any constant mu may come off both: v_s - mu and O - mu, with mu the mean value of the
+        # visible keys per (batch, kv head). The forward keeps v as given (no extra rounding there).
+        keep1 = vc[..., d:d + 1]  # 1 at visible keys (the [v, 1] rows are zero elsewhere)
+        mu = (vc[..., :d].sum((1, 3), keepdim=True, dtype=torch.float32)
+              / keep1.sum((1, 3), keepdim=True, dtype=torch.float32).clamp_min(1.0))  # (B, 1, Hkv, 1, D)
+        vs = vc.clone()
+        vs[..., :d] = (vc[..., :d] - mu * keep1).to(vc.dtype)
+        mu_q = mu.repeat_interleave(group, dim=2)  # per query head
+        delta = (dout.float() * (out.float() - mu_q)).sum(-1, keepdim=True)
         g = torch.cat([dout.float(), -delta, dout.new_zeros(*dout.shape[:-1], 15, dtype=torch.float32)], dim=-1)
         g = g * inv_l[..., None]
-        # g = dO / l shrinks with the sequence: the sweeps take it scaled to a max near 1 (a power of two,
-        # exact), so that fp16 keeps its digits, and their results are scaled back.
-        scale = torch.exp2(torch.ceil(torch.log2(g.abs().amax().clamp_min(torch.finfo(torch.float32).tiny))))
+        # g = dO / l shrinks with the sequence, and from a causal row with few keys to one with many by
+        # orders of magnitude. The sweeps take it times a power of two (exact) that puts the largest
+        # product the reverse sweep rounds to the input dtype, g c q, near 2^14: the small rows' products
+        # stay above fp16's subnormals (2^-14, where digits are lost) and all below its max (65504).
+        cmax = (abs(coefs[2]) * qc[..., :d].abs().amax().float()).clamp_min(max(1.0, abs(coefs[0]), abs(coefs[1])))
+        scale = torch.exp2(torch.ceil(torch.log2((g.abs().amax() * cmax).clamp_min(torch.finfo(torch.float32).tiny)))
+                           - 14)
         g = (g / scale).to(qc.dtype)
-        _, dq = torch.ops.attn_cuda.linear(kc, vc, qc, g, 1, group, causal, False, second, [1.0, 1.0, 1.0],
+        _, dq = torch.ops.attn_cuda.linear(kc, vs, qc, g, 1, group, causal, False, second, [1.0, 1.0, 1.0],
                                            list(coefs), 0, True)
-        dv, dk = torch.ops.attn_cuda.linear(qc, g, kc, vc, group, 1, causal, True, second, list(coefs),
+        dv, dk = torch.ops.attn_cuda.linear(qc, g, kc, vs, group, 1, causal, True, second, list(coefs),
                                             [1.0, 1.0, 1.0], d // 16, True)
         dq, dk, dv = dq * scale, dk * scale, dv[..., :d] * scale
         if causal:

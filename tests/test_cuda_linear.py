@@ -2,7 +2,8 @@
 
 Same error rule as test_cuda_kernels.py; the PyTorch yardstick in the input dtype is the quadratic form
 (the weights materialised in that dtype), the float64 reference is exact. Lengths cross the 128-row
-chunks, start and end mid-chunk, and cover i != j both ways.
+chunks, start and end mid-chunk, and cover i != j both ways. Calls whose keys fit one chunk (SHAPES'
+short ones) run on the tiled kernel as one block; the longer shapes exercise the moments.
 """
 import math
 
@@ -14,7 +15,7 @@ from test_cuda_kernels import SHAPES, compare, make_case, peak_extra_bytes
 
 pytestmark = pytest.mark.gpu
 
-LINEAR_SHAPES = SHAPES + [(1, 2, 1, 300, 300), (2, 2, 2, 129, 385)]
+LINEAR_SHAPES = SHAPES + [(1, 2, 1, 300, 300), (2, 2, 2, 129, 385), (3, 2, 2, 300, 150)]
 
 
 def fastmax(p, **fixed):
@@ -40,6 +41,37 @@ def test_linear_form_matches_float64(dtype, d, flag, p):
 def test_linear_form_with_normalize_and_other_coefficients(dtype):
     cases = [(*make_case(shape, 64, "fastmax", "all", seed=n), str(shape)) for n, shape in enumerate(LINEAR_SHAPES)]
     compare(cases, fastmax(2, normalize=True, lim=1.5, a0=2.0, a1=0.5, a2=0.25), dtype)
+
+
+@pytest.mark.parametrize("flag", ["none", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda t: str(t).split(".")[-1])
+def test_linear_form_gradients_at_2048(dtype, flag):
+    """dk and dv come from moments of psi(q) dO / l, which shrink as rows add up: scaled by the row
+    count they fell into fp16's subnormals (an emulation of the old kernel: dk 39x, dv 21x the bar here)."""
+    cases = [(*make_case((1, 2, 1, 2048, 2048), 64, "fastmax", flag, seed=10), "2048")]
+    compare(cases, fastmax(2, temperature=8.0), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda t: str(t).split(".")[-1])
+def test_linear_form_values_with_an_offset(dtype):
+    """v = N(4, 1): dO.v_s and dO.O grow with the offset and cancel in dq and dk (the sweeps take v - mean;
+    without it an emulation reached 1.0x the bar in bf16 dq, with it 0.5x)."""
+    cases = []
+    for n, shape in enumerate([s for s in LINEAR_SHAPES if s[4] > 128]):
+        (q, k, v), kw, dout = make_case(shape, 32, "fastmax", "mask", seed=n)
+        cases.append(([q, k, v + 4], kw, dout, str(shape)))
+    compare(cases, fastmax(2, temperature=math.sqrt(32)), dtype)
+
+
+def test_one_chunk_of_keys_runs_as_one_tiled_block():
+    """J <= 128: the moments would hold at most one chunk, so the tiled kernel takes the whole call."""
+    g = torch.Generator(device="cuda").manual_seed(12)
+    q = torch.randn(2, 4, 300, 64, generator=g, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 128, 64, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for causal in (False, True):
+        lin = fastmax_attention(q, k, v, causal=causal, temperature=8.0, form="linear", backend="cuda")
+        quad = fastmax_attention(q, k, v, causal=causal, temperature=8.0, form="quadratic", backend="cuda")
+        assert torch.equal(lin, quad)
 
 
 def test_the_two_forms_agree():

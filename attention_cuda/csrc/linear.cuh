@@ -16,6 +16,11 @@
 // (16 rows x features) is split into parts of whole feature rows a that fit one CTA's shared memory;
 // grid.y = (batch, kv head). Each warp owns whole rows, so no state is shared between warps. Outputs are
 // partial sums over m-tiles and parts: they meet in fp32 with red.global.add.
+//
+// Range: a row's state enters the tensor cores (fp16/bf16) multiplied by a power of two taken from its
+// own largest element (`tscale`, set where the update has the row in registers), not from the number
+// of rows it sums: the dk/dv state sums psi(q) g^T with g ~ dO / l, which shrinks as the rows grow,
+// so a row-count scale left it in fp16's subnormals (digits lost; the dk/dv gradient cases failed).
 #pragma once
 #include "mma.cuh"
 #include "params.h"
@@ -30,8 +35,8 @@ struct LinConfig {
   static constexpr int kXPitch = kDp * 2 + 16, kWPitch = 16 * 2 + 16;  // padded tile rows (ldmatrix)
   // Bytes of everything but the state: the feature tile, the 16-column tile, the R1 and R2 staging.
   static constexpr int kFixed = kL * kXPitch + kL * kWPitch + 16 * kRead * 4 + kRead * D * 4;
-  static constexpr int kGroupBytes = 16 * 16 * 4;
-  static int smem_bytes(int rows) { return kFixed + (rows * kJ + kJ1) * kGroupBytes; }
+  static constexpr int kGroupBytes = 16 * 16 * 4, kRowBytes = kJ * kGroupBytes + 8;  // + the row's (scale, 1/scale)
+  static int smem_bytes(int rows) { return kFixed + (rows * kJ + kJ1) * kGroupBytes + (rows + 1) * 8; }
 };
 
 template <class T>
@@ -61,6 +66,18 @@ __device__ __forceinline__ void st_group(float* g, const float* acc) {
   reinterpret_cast<float4*>(g)[lane_id() * 2] = make_float4(acc[0], acc[1], acc[2], acc[3]);
   reinterpret_cast<float4*>(g)[lane_id() * 2 + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
 }
+// The power of two that puts the largest |element| m of a state row (over the warp, from this lane's
+// part of it) at [2^13, 2^14): far from fp16's subnormals and its max. (scale, 1/scale) to s[0], s[1].
+__device__ __forceinline__ void set_scale(float* s, float m) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (lane_id() == 0) {
+    int e;
+    frexpf(m, &e);  // m = f 2^e, f in [0.5, 1); 0 gives e = 0
+    s[0] = ldexpf(1.f, 14 - e), s[1] = ldexpf(1.f, e - 14);
+  }
+}
+
 // Element (row c, column b) of a group, wherever its lane keeps it.
 __device__ __forceinline__ float group_elem(const float* g, int c, int b) {
   return g[((c & 7) * 4 + (b & 7) / 2) * 8 + (b / 8) * 4 + (c / 8) * 2 + (b & 1)];
@@ -87,8 +104,11 @@ __global__ void __launch_bounds__(LinConfig<T, D>::kWarps * 32, 1) linear_kernel
   const bool warp_first = has_first && warp == C::kWarps - 1;
   auto slot = [&](int local_row, int j) { return state + (local_row * kJ + j) * 256; };
   float* first = state + p.rows_per_part * kJ * 256;  // row -1's kJ1 groups
+  float* tscale = first + kJ1 * 256;                    // (scale, 1/scale) per local row, row -1 last
+  float* first_scale = tscale + 2 * p.rows_per_part;
 
   for (int i = threadIdx.x; i < (p.rows_per_part * kJ + kJ1) * 256; i += kThreads) state[i] = 0.f;
+  for (int i = threadIdx.x; i < 2 * (p.rows_per_part + 1); i += kThreads) tscale[i] = 1.f;
   for (int i = threadIdx.x; i < 16 * C::kRead + C::kRead * D; i += kThreads) y_s[i] = 0.f;
 
   const T* ux = static_cast<const T*>(p.ux);
@@ -137,8 +157,14 @@ __global__ void __launch_bounds__(LinConfig<T, D>::kWarps * 32, 1) linear_kernel
             M::mma(acc[j] + 4, af, b1);
           }
         }
+        float m = 0.f;
 #pragma unroll
-        for (int j = 0; j < kJ; ++j) st_group(slot(r, j), acc[j]);
+        for (int j = 0; j < kJ; ++j) {
+          st_group(slot(r, j), acc[j]);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(acc[j][i]));
+        }
+        set_scale(tscale + 2 * r, m);
       }
       if (warp_first) {
         float acc[kJ1][8];
@@ -160,8 +186,14 @@ __global__ void __launch_bounds__(LinConfig<T, D>::kWarps * 32, 1) linear_kernel
             M::mma(acc[j] + 4, af, b1);
           }
         }
+        float m = 0.f;
 #pragma unroll
-        for (int j = 0; j < kJ1; ++j) st_group(first + j * 256, acc[j]);
+        for (int j = 0; j < kJ1; ++j) {
+          st_group(first + j * 256, acc[j]);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(acc[j][i]));
+        }
+        set_scale(first_scale, m);
       }
     }
   };
@@ -184,13 +216,11 @@ __global__ void __launch_bounds__(LinConfig<T, D>::kWarps * 32, 1) linear_kernel
   };
 
   // Outputs of the chunk's rows from the current state: R1 (columns of this m-tile) and R2 (all D).
-  // The state enters the tensor cores divided by a power of two near the number of rows it sums
-  // (`seen`), so that a sum over 10^5 rows stays in fp16's range; the flush multiplies it back.
-  auto read = [&](int chunk, int seen) {
+  // Each state row enters the tensor cores times its tscale; its products are multiplied back (by
+  // 1/scale, exact) before they meet other rows' in y or dq.
+  auto read = [&](int chunk) {
     const bool r1 = p.r1 != nullptr && mt < p.r1_tiles, r2 = p.r2 != nullptr;
     if (!r1 && !r2) return;
-    const int e = seen > 1 ? 32 - __clz(seen - 1) : 0;  // ceil(log2(seen))
-    const float down = ldexpf(1.f, -e), up = ldexpf(1.f, e);
     for (int hr = 0; hr < p.rd_heads; ++hr) {
       const int heads = p.Hkv * p.rd_heads, h = hkv * p.rd_heads + hr;
       const int64_t at = chunk_at(chunk, heads, h);
@@ -212,14 +242,15 @@ __global__ void __launch_bounds__(LinConfig<T, D>::kWarps * 32, 1) linear_kernel
         }
         for (int r = warp; r < rows; r += C::kWarps) {
           const int a = row0 + r;
+          const float sc = tscale[2 * r], c2 = p.cr[2] * tscale[2 * r + 1];  // c2 carries 1/scale
           float z[C::kRead / 8][4] = {};
 #pragma unroll
-          for (int j = 0; j < kJ; ++j) read_group(z, slot(r, j), down, j, t0);
+          for (int j = 0; j < kJ; ++j) read_group(z, slot(r, j), sc, j, t0);
 #pragma unroll
           for (int nb = 0; nb < C::kRead / 8; ++nb) {
             const int t = t0 + nb * 8 + 2 * tq;
             if (r1) {  // y[c][t] += c2 x_t[a] z[c][t]
-              const float x0 = p.cr[2] * lds_elem<T>(sX, t, a), x1 = p.cr[2] * lds_elem<T>(sX, t + 1, a);
+              const float x0 = c2 * lds_elem<T>(sX, t, a), x1 = c2 * lds_elem<T>(sX, t + 1, a);
               y[nb][0] += x0 * z[nb][0], y[nb][1] += x1 * z[nb][1], y[nb][2] += x0 * z[nb][2], y[nb][3] += x1 * z[nb][3];
             }
             if (r2) {  // dq[t][a] += 2 c2 sum_c g[t][c] z[c][t]: over c = this lane's g, g + 8, then the 8 g's
@@ -231,16 +262,25 @@ __global__ void __launch_bounds__(LinConfig<T, D>::kWarps * 32, 1) linear_kernel
                 d1 += __shfl_xor_sync(0xffffffffu, d1, o);
               }
               if (g == 0) {
-                atomicAdd(dq_s + (t - t0) * D + a, 2.f * p.cr[2] * d0);
-                atomicAdd(dq_s + (t + 1 - t0) * D + a, 2.f * p.cr[2] * d1);
+                atomicAdd(dq_s + (t - t0) * D + a, 2.f * c2 * d0);
+                atomicAdd(dq_s + (t + 1 - t0) * D + a, 2.f * c2 * d1);
               }
             }
           }
         }
         if (warp_first) {
-          if (r1) {  // y += sum_j coef_j S_j x'_j^T
+          const float fs = first_scale[0], finv = first_scale[1];
+          if (r1) {  // y += sum_j coef_j S_j x'_j^T, accumulated at row -1's scale (y's rows so far: exact)
 #pragma unroll
-            for (int j = 0; j < kJ1; ++j) read_group(y, first + j * 256, (j < kJ ? p.cr[1] : p.cr[0]) * down, j, t0);
+            for (int nb = 0; nb < C::kRead / 8; ++nb)
+#pragma unroll
+              for (int i = 0; i < 4; ++i) y[nb][i] *= fs;
+#pragma unroll
+            for (int j = 0; j < kJ1; ++j) read_group(y, first + j * 256, (j < kJ ? p.cr[1] : p.cr[0]) * fs, j, t0);
+#pragma unroll
+            for (int nb = 0; nb < C::kRead / 8; ++nb)
+#pragma unroll
+              for (int i = 0; i < 4; ++i) y[nb][i] *= finv;
           }
           if (r2) {  // dq[t][b] += c1 sum_c g[t][c] S[c][b]: S^T as the B operand, gathered from its lanes
 #pragma unroll
@@ -251,8 +291,8 @@ __global__ void __launch_bounds__(LinConfig<T, D>::kWarps * 32, 1) linear_kernel
 #pragma unroll
                 for (int h2 = 0; h2 < 2; ++h2) {
                   const int c = 2 * tq + 8 * h2, col = nbb * 8 + g;
-                  bs[nbb][h2] = Elem<T>::pack(down * group_elem(first + j * 256, c, col),
-                                              down * group_elem(first + j * 256, c + 1, col));
+                  bs[nbb][h2] = Elem<T>::pack(fs * group_elem(first + j * 256, c, col),
+                                              fs * group_elem(first + j * 256, c + 1, col));
                 }
 #pragma unroll
               for (int tb = 0; tb < C::kRead / 16; ++tb) {
@@ -263,10 +303,11 @@ __global__ void __launch_bounds__(LinConfig<T, D>::kWarps * 32, 1) linear_kernel
                   float hacc[4] = {};
                   M::mma(hacc, af, bs[nbb]);
                   const int col = j * 16 + nbb * 8 + 2 * tq, t = tb * 16 + g;
-                  atomicAdd(dq_s + t * D + col, p.cr[1] * hacc[0]);
-                  atomicAdd(dq_s + t * D + col + 1, p.cr[1] * hacc[1]);
-                  atomicAdd(dq_s + (t + 8) * D + col, p.cr[1] * hacc[2]);
-                  atomicAdd(dq_s + (t + 8) * D + col + 1, p.cr[1] * hacc[3]);
+                  const float c1 = p.cr[1] * finv;
+                  atomicAdd(dq_s + t * D + col, c1 * hacc[0]);
+                  atomicAdd(dq_s + t * D + col + 1, c1 * hacc[1]);
+                  atomicAdd(dq_s + (t + 8) * D + col, c1 * hacc[2]);
+                  atomicAdd(dq_s + (t + 8) * D + col + 1, c1 * hacc[3]);
                 }
               }
             }
@@ -288,14 +329,13 @@ __global__ void __launch_bounds__(LinConfig<T, D>::kWarps * 32, 1) linear_kernel
         if (r1) {
           for (int i = threadIdx.x; i < 16 * C::kRead / 2; i += kThreads) {
             const int c = (i * 2) % 16, t = (i * 2) / 16;
-            red_add2(p.r1 + (row_at + t) * kDp + mt * 16 + c, up * y_s[c * C::kRead + t],
-                     up * y_s[(c + 1) * C::kRead + t]);
+            red_add2(p.r1 + (row_at + t) * kDp + mt * 16 + c, y_s[c * C::kRead + t], y_s[(c + 1) * C::kRead + t]);
             y_s[c * C::kRead + t] = 0.f, y_s[(c + 1) * C::kRead + t] = 0.f;
           }
         }
         if (r2) {
           for (int i = threadIdx.x; i < C::kRead * D / 2; i += kThreads) {
-            red_add2(p.r2 + (row_at * D) + i * 2, up * dq_s[i * 2], up * dq_s[i * 2 + 1]);
+            red_add2(p.r2 + (row_at * D) + i * 2, dq_s[i * 2], dq_s[i * 2 + 1]);
             dq_s[i * 2] = 0.f, dq_s[i * 2 + 1] = 0.f;
           }
         }
@@ -304,14 +344,13 @@ __global__ void __launch_bounds__(LinConfig<T, D>::kWarps * 32, 1) linear_kernel
     }
   };
 
-  const int rows_per_chunk = kL * p.upd_heads;
   for (int step = 0; step < p.chunks; ++step) {
     const int chunk = p.reverse ? p.chunks - 1 - step : step;
-    if (p.causal) read(chunk, step * rows_per_chunk);
+    if (p.causal) read(chunk);
     update(chunk);
   }
   if (!p.causal)
-    for (int chunk = 0; chunk < p.chunks; ++chunk) read(chunk, p.chunks * rows_per_chunk);
+    for (int chunk = 0; chunk < p.chunks; ++chunk) read(chunk);
 }
 
 // The state's rows are split into as few parts as the device's shared memory allows (row -1 in part 0).
@@ -322,7 +361,7 @@ cudaError_t run_linear(LinParams p, cudaStream_t stream) {
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err != cudaSuccess) return err;
-  const int rows_max = (smem_max - C::smem_bytes(0)) / (C::kJ * C::kGroupBytes);
+  const int rows_max = (smem_max - C::smem_bytes(0)) / C::kRowBytes;
   if (rows_max < 1) return cudaErrorInvalidConfiguration;
   const int parts = p.second ? cdiv(D, rows_max) : 1;
   p.rows_per_part = p.second ? cdiv(D, parts) : 0;
