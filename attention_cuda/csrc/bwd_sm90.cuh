@@ -18,7 +18,8 @@ template <class T, int D>
 struct Sm90Bwd {
   static constexpr bool kSupported = sizeof(T) == 2 && D == 64;
   static constexpr int kWarps = 8, kCols = 128, kRows = 64;  // keys per block (64 per warpgroup), queries per step
-  static constexpr int kTileK = kCols * D * sizeof(T), kTileQ = kRows * D * sizeof(T), kTileS = kCols * kRows * sizeof(T);
+  static constexpr int kTileK = kCols * D * sizeof(T), kTileQ = kRows * D * sizeof(T);
+  static constexpr int kTileS = kCols * kRows * sizeof(T);
   // K | V | 2 x Q | 2 x dO | 2 x dS~^T | 2 x (stat, delta, 1/|q|), every tile 1024-byte aligned (the
   // swizzle pattern's period), plus the slack to align the dynamic shared memory's start.
   static constexpr int kK = 0, kV = kTileK, kQ = 2 * kTileK, kDO = kQ + 2 * kTileQ, kDS = kDO + 2 * kTileQ;

@@ -28,10 +28,11 @@ struct Sm90Fwd {
   static constexpr bool kSupported = sizeof(T) == 2 && D == 128;
   static constexpr int kWG = 3, kCols = 64;
   static constexpr int kThreads = kWG * 128, kRows = 64 * kWG;
-  static constexpr int kTileQ = kRows * D * static_cast<int>(sizeof(T)), kTileKV = kCols * D * static_cast<int>(sizeof(T));
+  static constexpr int kTileQ = kRows * D * static_cast<int>(sizeof(T));
+  static constexpr int kTileKV = kCols * D * static_cast<int>(sizeof(T));
   // K/V stages: up to 4 (two tiles ahead) within the 227 KB of shared memory a block may have.
   static constexpr int kMaxBytes = 227 * 1024, kStageBytes = 2 * kTileKV + kCols * 4;
-  static constexpr int kStages = (kMaxBytes - 1024 - kTileQ) / kStageBytes < 4 ? (kMaxBytes - 1024 - kTileQ) / kStageBytes : 4;
+  static constexpr int kFit = (kMaxBytes - 1024 - kTileQ) / kStageBytes, kStages = kFit < 4 ? kFit : 4;
   // Q | kStages x K | kStages x V | kStages x 1/|k|, every tile 1024-byte aligned (the swizzle
   // pattern's period), plus the slack to align the dynamic shared memory's start.
   static constexpr int kQ = 0, kK = kTileQ, kV = kK + kStages * kTileKV, kRk = kV + kStages * kTileKV;

@@ -148,7 +148,8 @@ __global__ void __launch_bounds__(LinConfig<T, D>::kWarps * 32, 1) linear_kernel
           const int s = ks * 16 + 2 * tq;
           const uint32_t lo = Elem<T>::pack(p.cu[2] * lds_elem<T>(sX, s, a), p.cu[2] * lds_elem<T>(sX, s + 1, a));
           const uint32_t hi = Elem<T>::pack(p.cu[2] * lds_elem<T>(sX, s + 8, a), p.cu[2] * lds_elem<T>(sX, s + 9, a));
-          af[0] = mul2<T>(af[0], lo), af[1] = mul2<T>(af[1], lo), af[2] = mul2<T>(af[2], hi), af[3] = mul2<T>(af[3], hi);
+          af[0] = mul2<T>(af[0], lo), af[1] = mul2<T>(af[1], lo);
+          af[2] = mul2<T>(af[2], hi), af[3] = mul2<T>(af[3], hi);
 #pragma unroll
           for (int j = 0; j < kJ; ++j) {
             uint32_t b0[2], b1[2];
@@ -251,7 +252,8 @@ __global__ void __launch_bounds__(LinConfig<T, D>::kWarps * 32, 1) linear_kernel
             const int t = t0 + nb * 8 + 2 * tq;
             if (r1) {  // y[c][t] += c2 x_t[a] z[c][t]
               const float x0 = c2 * lds_elem<T>(sX, t, a), x1 = c2 * lds_elem<T>(sX, t + 1, a);
-              y[nb][0] += x0 * z[nb][0], y[nb][1] += x1 * z[nb][1], y[nb][2] += x0 * z[nb][2], y[nb][3] += x1 * z[nb][3];
+              y[nb][0] += x0 * z[nb][0], y[nb][1] += x1 * z[nb][1];
+              y[nb][2] += x0 * z[nb][2], y[nb][3] += x1 * z[nb][3];
             }
             if (r2) {  // dq[t][a] += 2 c2 sum_c g[t][c] z[c][t]: over c = this lane's g, g + 8, then the 8 g's
               float d0 = gv[nb][0] * z[nb][0] + gv[nb][2] * z[nb][2];
