@@ -1,12 +1,15 @@
 // Row-wise passes around the attention kernels: 1/|row| of q and k, delta = rowsum(dO * O) for the
-// backward, and the dQ epilogue. One warp per row, two elements per lane per step.
+// backward, and the dQ epilogue. Each warp owns kRowsPerWarp rows at a time and issues the loads of
+// all of them (two elements per lane per row and step) before it reduces any. The grid is (batch x
+// head, row blocks), rows striding past the grid's 65535-block height, so no thread divides a 64-bit
+// row index (bench/NOTES.md, run 9, has their times).
 #include "mma.cuh"
 #include "params.h"
 
 namespace attn {
 namespace {
 
-constexpr int kRowsPerBlock = 8;
+constexpr int kWarps = 8, kRowsPerWarp = 8, kRowsPerBlock = kWarps * kRowsPerWarp;
 
 template <class T>
 __device__ __forceinline__ float2 ldg_pair(const T* p) {
@@ -23,76 +26,113 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-__device__ __forceinline__ int64_t warp_row() {
-  return static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+// f(t0) for the groups of kRowsPerWarp rows t0 .. t0 + kRowsPerWarp - 1 (some may be >= n) of this
+// block's (batch, head) that this warp owns.
+template <class F>
+__device__ __forceinline__ void for_each_row_group(int n, F&& f) {
+  for (int t0 = (blockIdx.y * kWarps + threadIdx.x / 32) * kRowsPerWarp; t0 < n; t0 += gridDim.y * kRowsPerBlock)
+    f(t0);
 }
 
 template <class T>
 __global__ void row_rnorm_kernel(const T* x, int64_t sb, int64_t sh, int64_t si, int H, int N, int D, int n_pad,
-                                 int64_t rows, float* out) {
-  const int64_t r = warp_row();
-  if (r >= rows) return;
-  const int i = r % n_pad, bh = r / n_pad, lane = threadIdx.x % 32;
-  float ss = 0.f;
-  if (i < N) {
-    const T* row = x + (bh / H) * sb + (bh % H) * sh + i * si;
+                                 float* out) {
+  const int bh = blockIdx.x, lane = threadIdx.x % 32;
+  const T* head = x + (bh / H) * sb + (bh % H) * sh;
+  for_each_row_group(n_pad, [&](int t0) {
+    float ss[kRowsPerWarp] = {};
     for (int d = 2 * lane; d < D; d += 64) {
-      const float2 v = ldg_pair(row + d);
-      ss += v.x * v.x + v.y * v.y;
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) {
+        if (t0 + r < N) {
+          const float2 v = ldg_pair(head + (t0 + r) * si + d);
+          ss[r] += v.x * v.x + v.y * v.y;
+        }
+      }
     }
-  }
-  ss = warp_sum(ss);
-  if (lane == 0) out[r] = i < N ? 1.f / fmaxf(sqrtf(ss), kNormEps) : 0.f;
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      const float sum = warp_sum(ss[r]);
+      const int i = t0 + r;
+      if (lane == 0 && i < n_pad)
+        out[static_cast<int64_t>(bh) * n_pad + i] = i < N ? 1.f / fmaxf(sqrtf(sum), kNormEps) : 0.f;
+    }
+  });
 }
 
 template <class T>
-__global__ void delta_kernel(const Params p, int D, int64_t rows) {
-  const int64_t r = warp_row();
-  if (r >= rows) return;
-  const int t = r % p.i_pad, bh = r / p.i_pad, lane = threadIdx.x % 32;
-  float acc = 0.f;
-  if (t < p.I && p.normalize) {
-    const int64_t off = (static_cast<int64_t>(bh) * p.I + t) * D;
-    const T* o = static_cast<const T*>(p.o) + off;
-    const T* dout = static_cast<const T*>(p.dout) + off;
-    // dO as the tensor cores see it in dP = dO V^T (TF32 for fp32 inputs), so that delta and
-    // rowsum(P * dP) cancel as exactly as they do in the math.
-    for (int d = 2 * lane; d < D; d += 64) {
-      const float2 a = ldg_pair(o + d), b = ldg_pair(dout + d);
-      acc += a.x * round_for_mma<T>(b.x) + a.y * round_for_mma<T>(b.y);
+__global__ void delta_kernel(const Params p, int D) {
+  const int bh = blockIdx.x, lane = threadIdx.x % 32;
+  const T* o = static_cast<const T*>(p.o) + static_cast<int64_t>(bh) * p.I * D;
+  const T* dout = static_cast<const T*>(p.dout) + static_cast<int64_t>(bh) * p.I * D;
+  for_each_row_group(p.i_pad, [&](int t0) {
+    float acc[kRowsPerWarp] = {};
+    if (p.normalize) {
+      // dO as the tensor cores see it in dP = dO V^T (TF32 for fp32 inputs), so that delta and
+      // rowsum(P * dP) cancel as exactly as they do in the math.
+      for (int d = 2 * lane; d < D; d += 64) {
+#pragma unroll
+        for (int r = 0; r < kRowsPerWarp; ++r) {
+          if (t0 + r < p.I) {
+            const int64_t off = static_cast<int64_t>(t0 + r) * D + d;
+            const float2 a = ldg_pair(o + off), b = ldg_pair(dout + off);
+            acc[r] += a.x * round_for_mma<T>(b.x) + a.y * round_for_mma<T>(b.y);
+          }
+        }
+      }
     }
-  }
-  acc = warp_sum(acc);
-  if (lane == 0) p.delta[r] = acc;
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      const float sum = warp_sum(acc[r]);
+      if (lane == 0 && t0 + r < p.i_pad) p.delta[static_cast<int64_t>(bh) * p.i_pad + t0 + r] = sum;
+    }
+  });
 }
 
 template <class T>
-__global__ void dq_finalize_kernel(const Params p, int D, int64_t rows) {
-  const int64_t r = warp_row();
-  if (r >= rows) return;
-  const int t = r % p.I, bh = r / p.I, lane = threadIdx.x % 32;
-  const float* u = p.dq_accum + r * D;
-  T* dq = static_cast<T*>(p.dq) + r * D;
-  float proj = 0.f;
-  const T* q = static_cast<const T*>(p.q) + (bh / p.H) * p.q_sb + (bh % p.H) * p.q_sh + t * p.q_si;
-  if (p.rq) {  // dq = c (U - rq^2 (q.U) q), unless |q| <= eps (then the normalisation is linear)
-    const float rq = p.rq[static_cast<int64_t>(bh) * p.i_pad + t];
-    float dot = 0.f;
-    for (int d = 2 * lane; d < D; d += 64) {
-      const float2 a = ldg_pair(q + d), b = *reinterpret_cast<const float2*>(u + d);
-      dot += a.x * b.x + a.y * b.y;
+__global__ void dq_finalize_kernel(const Params p, int D) {
+  const int bh = blockIdx.x, lane = threadIdx.x % 32;
+  const T* q = static_cast<const T*>(p.q) + (bh / p.H) * p.q_sb + (bh % p.H) * p.q_sh;
+  const float* u = p.dq_accum + static_cast<int64_t>(bh) * p.I * D;
+  T* dq = static_cast<T*>(p.dq) + static_cast<int64_t>(bh) * p.I * D;
+  for_each_row_group(p.I, [&](int t0) {
+    // dq = c (U - rq^2 (q.U) q), unless |q| <= eps (then the normalisation is linear)
+    float proj[kRowsPerWarp] = {};
+    if (p.rq) {
+      for (int d = 2 * lane; d < D; d += 64) {
+#pragma unroll
+        for (int r = 0; r < kRowsPerWarp; ++r) {
+          if (t0 + r < p.I) {
+            const float2 a = ldg_pair(q + (t0 + r) * p.q_si + d);
+            const float2 b = *reinterpret_cast<const float2*>(u + static_cast<int64_t>(t0 + r) * D + d);
+            proj[r] += a.x * b.x + a.y * b.y;
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) {
+        const float rq = t0 + r < p.I ? p.rq[static_cast<int64_t>(bh) * p.i_pad + t0 + r] : 0.f;
+        proj[r] = warp_sum(proj[r]);
+        proj[r] = rq < 1.f / kNormEps ? rq * rq * proj[r] : 0.f;
+      }
     }
-    dot = warp_sum(dot);
-    proj = rq < 1.f / kNormEps ? rq * rq * dot : 0.f;
-  }
-  for (int d = 2 * lane; d < D; d += 64) {
-    const float2 a = p.rq ? ldg_pair(q + d) : make_float2(0.f, 0.f);
-    const float2 b = *reinterpret_cast<const float2*>(u + d);
-    stg_pair(dq + d, p.grad_scale * (b.x - proj * a.x), p.grad_scale * (b.y - proj * a.y));
-  }
+    for (int d = 2 * lane; d < D; d += 64) {
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) {
+        if (t0 + r < p.I) {
+          const int64_t off = static_cast<int64_t>(t0 + r) * D + d;
+          const float2 a = p.rq ? ldg_pair(q + (t0 + r) * p.q_si + d) : make_float2(0.f, 0.f);
+          const float2 b = *reinterpret_cast<const float2*>(u + off);
+          stg_pair(dq + off, p.grad_scale * (b.x - proj[r] * a.x), p.grad_scale * (b.y - proj[r] * a.y));
+        }
+      }
+    }
+  });
 }
 
-unsigned blocks_for(int64_t rows) { return static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock); }
+dim3 row_grid(int heads, int rows) {
+  return dim3(heads, std::min((rows + kRowsPerBlock - 1) / kRowsPerBlock, 65535));
+}
 
 template <class F>
 cudaError_t by_dtype(Dtype dtype, F&& f) {
@@ -108,30 +148,27 @@ cudaError_t by_dtype(Dtype dtype, F&& f) {
 
 cudaError_t run_row_rnorm(Dtype dtype, const void* x, int64_t sb, int64_t sh, int64_t si, int B, int H, int N,
                           int D, int n_pad, float* out, cudaStream_t stream) {
-  const int64_t rows = static_cast<int64_t>(B) * H * n_pad;
-  if (rows == 0) return cudaSuccess;
+  if (B * H == 0 || n_pad == 0) return cudaSuccess;
   return by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    row_rnorm_kernel<T><<<blocks_for(rows), kRowsPerBlock * 32, 0, stream>>>(static_cast<const T*>(x), sb, sh, si,
-                                                                             H, N, D, n_pad, rows, out);
+    row_rnorm_kernel<T><<<row_grid(B * H, n_pad), kWarps * 32, 0, stream>>>(static_cast<const T*>(x), sb, sh,
+                                                                                   si, H, N, D, n_pad, out);
     return cudaGetLastError();
   });
 }
 
 cudaError_t run_delta(Dtype dtype, const Params& p, int D, cudaStream_t stream) {
-  const int64_t rows = static_cast<int64_t>(p.B) * p.H * p.i_pad;
-  if (rows == 0) return cudaSuccess;
+  if (p.B * p.H == 0 || p.i_pad == 0) return cudaSuccess;
   return by_dtype(dtype, [&](auto tag) {
-    delta_kernel<decltype(tag)><<<blocks_for(rows), kRowsPerBlock * 32, 0, stream>>>(p, D, rows);
+    delta_kernel<decltype(tag)><<<row_grid(p.B * p.H, p.i_pad), kWarps * 32, 0, stream>>>(p, D);
     return cudaGetLastError();
   });
 }
 
 cudaError_t run_dq_finalize(Dtype dtype, const Params& p, int D, cudaStream_t stream) {
-  const int64_t rows = static_cast<int64_t>(p.B) * p.H * p.I;
-  if (rows == 0) return cudaSuccess;
+  if (p.B * p.H == 0 || p.I == 0) return cudaSuccess;
   return by_dtype(dtype, [&](auto tag) {
-    dq_finalize_kernel<decltype(tag)><<<blocks_for(rows), kRowsPerBlock * 32, 0, stream>>>(p, D, rows);
+    dq_finalize_kernel<decltype(tag)><<<row_grid(p.B * p.H, p.I), kWarps * 32, 0, stream>>>(p, D);
     return cudaGetLastError();
   });
 }
