@@ -208,9 +208,12 @@ struct BwdWalk {
   const Params& p;
   int bhk, n0, b, hk, m_first, steps;
   __device__ explicit BwdWalk(const Params& p_) : p(p_) {
-    // Key blocks run first-to-last across all heads: under causal the first ones see the most queries.
-    const int bhk_count = p.B * p.Hkv;
-    bhk = blockIdx.x % bhk_count, n0 = blockIdx.x / bhk_count * kBc;
+    // Block order, as in the forward (FwdBlock). Causal: key blocks first to last across all heads (the
+    // first ones see the most queries). Otherwise heads one after another, so that the blocks resident
+    // at a time share a few heads' Q, dO and dQ buffer in L2.
+    const int n_blocks = cdiv(p.J, kBc), bhk_count = p.B * p.Hkv;
+    bhk = p.causal ? blockIdx.x % bhk_count : blockIdx.x / n_blocks;
+    n0 = (p.causal ? blockIdx.x / bhk_count : blockIdx.x % n_blocks) * kBc;
     b = bhk / p.Hkv, hk = bhk % p.Hkv;
     const int n_mtiles = cdiv(p.I, kBr);
     m_first = p.causal ? min(n_mtiles, max(0, n0 - (p.J - p.I)) / kBr) : 0;
@@ -252,6 +255,34 @@ struct BwdWalk {
   }
 };
 
+// dS~^T of this thread's keys `key` (+8) x the step's queries to the step's buffer, for dQ in the next
+// step. Shared by both backward kernels.
+template <class T, int kNQ, class Tile_>
+__device__ __forceinline__ void store_ds(const Tile_& sds, const float (&ds)[kNQ][4], int key) {
+  const int tq = threadIdx.x % 4;
+#pragma unroll
+  for (int nq = 0; nq < kNQ; ++nq)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+      sts_pair<T>(sds.at(key + 8 * hf, (nq * 8 + 2 * tq) * sizeof(T)), ds[nq][2 * hf], ds[nq][2 * hf + 1]);
+}
+
+// Adds this thread's dQ (an m16n8 accumulator: query rows t0 + g (+8) x columns c0 + 8 n + 2 tq (+1))
+// to the fp32 buffer dq (rows of D) with vector atomics; rows past the end are skipped.
+template <int kN>
+__device__ __forceinline__ void add_dq(const Params& p, float* dq, const float (&acc)[kN][4], int t0, int D, int c0) {
+  const int g = threadIdx.x % 32 / 4, tq = threadIdx.x % 4;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int t = t0 + g + 8 * hf;
+    if (t < p.I) {
+#pragma unroll
+      for (int n = 0; n < kN; ++n)
+        red_add2(dq + static_cast<int64_t>(t) * D + c0 + n * 8 + 2 * tq, acc[n][2 * hf], acc[n][2 * hf + 1]);
+    }
+  }
+}
+
 template <class T, int D, class Policy>
 __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(const Params p) {
   using C = BwdConfig<T, D>;
@@ -268,7 +299,7 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(co
   const BwdWalk<T, D, kBc, kBr, kThreads> walk(p);
   const int bhk = walk.bhk, n0 = walk.n0, b = walk.b, hk = walk.hk, steps = walk.steps;
   const uint8_t* mask = walk.mask();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
   const int wkey = warp * 16;
   using Pos = typename BwdWalk<T, D, kBc, kBr, kThreads>::Pos;
   auto load_q = [&](Pos at, int stage) {
@@ -320,16 +351,7 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(co
         }
       }
     }
-    float* dq = p.dq_accum + static_cast<int64_t>(b * p.H + at.h) * p.I * D;
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int t = at.m0 + rg * 16 + g + 8 * hf;
-      if (t < p.I) {
-#pragma unroll
-        for (int nd = 0; nd < kNDC; ++nd)
-          red_add2(dq + static_cast<int64_t>(t) * D + c0 + nd * 8 + 2 * tq, dqa[nd][2 * hf], dqa[nd][2 * hf + 1]);
-      }
-    }
+    add_dq(p, p.dq_accum + static_cast<int64_t>(b * p.H + at.h) * p.I * D, dqa, at.m0 + rg * 16, D, c0);
   };
 
   const Policy pol(p);
@@ -392,12 +414,7 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(co
       }
     }
     // dS~^T to this step's buffer, for dQ during the next step.
-    const Tile sDS{s0 + S::kDS + stage * kBc * S::kSPitch, S::kSPitch};
-#pragma unroll
-    for (int nq = 0; nq < kNQ; ++nq)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
-        sts_pair<T>(sDS.at(wkey + g + 8 * hf, (nq * 8 + 2 * tq) * sizeof(T)), dp[nq][2 * hf], dp[nq][2 * hf + 1]);
+    store_ds<T>(Tile{s0 + S::kDS + stage * kBc * S::kSPitch, S::kSPitch}, dp, wkey + g);
     prev = cur;
     cur = walk.next(cur);
   }

@@ -17,6 +17,7 @@ namespace attn {
 template <class T, int D>
 struct Sm90Bwd {
   static constexpr bool kSupported = sizeof(T) == 2 && D == 64;
+  static cudaError_t run(const Params& p, Score score, cudaStream_t stream);  // the launch, after the kernel
   static constexpr int kWarps = 8, kCols = 128, kRows = 64;  // keys per block (64 per warpgroup), queries per step
   static constexpr int kTileK = kCols * D * sizeof(T), kTileQ = kRows * D * sizeof(T);
   static constexpr int kTileS = kCols * kRows * sizeof(T);
@@ -45,7 +46,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
   const BwdWalk<T, D, kBc, kBr, kThreads> walk(p);
   const int bhk = walk.bhk, n0 = walk.n0, b = walk.b, hk = walk.hk, steps = walk.steps;
   const uint8_t* mask = walk.mask();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
   const int wg = warp / 4, wkey = warp * 16;  // warpgroup wg: keys 64 wg ..; this warp: 16 of them
   using Pos = typename BwdWalk<T, D, kBc, kBr, kThreads>::Pos;
   auto load_q = [&](Pos at, int stage) {
@@ -69,16 +70,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
   };
   auto dq_add = [&](Pos at) {
     fence_acc(dqa);
-    float* dq = p.dq_accum + static_cast<int64_t>(b * p.H + at.h) * p.I * D + wg * kDQ;
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int t = at.m0 + (warp % 4) * 16 + g + 8 * hf;
-      if (t < p.I) {
-#pragma unroll
-        for (int n = 0; n < kDQ / 8; ++n)
-          red_add2(dq + static_cast<int64_t>(t) * D + n * 8 + 2 * tq, dqa[n][2 * hf], dqa[n][2 * hf + 1]);
-      }
-    }
+    add_dq(p, p.dq_accum + static_cast<int64_t>(b * p.H + at.h) * p.I * D, dqa, at.m0 + warp % 4 * 16, D, wg * kDQ);
   };
 
   const Policy pol(p);
@@ -140,12 +132,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
       wgmma_commit();
     }
     // dS~^T to this step's buffer while those run, for dQ during the next step.
-    const SwTile sDS = ds_tile(stage);
-#pragma unroll
-    for (int nq = 0; nq < kNQ; ++nq)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
-        sts_pair<T>(sDS.at(wkey + g + 8 * hf, (nq * 8 + 2 * tq) * sizeof(T)), dp[nq][2 * hf], dp[nq][2 * hf + 1]);
+    store_ds<T>(ds_tile(stage), dp, wkey + g);
     fence_proxy_async();
     wgmma_wait<0>();
     fence_acc(dk);
@@ -164,25 +151,14 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
 #endif
 }
 
+// One CTA per (key tile, batch, kv head).
 template <class T, int D>
-cudaError_t run_bwd_sm90(const Params& p, Score score, cudaStream_t stream) {
+cudaError_t Sm90Bwd<T, D>::run(const Params& p, Score score, cudaStream_t stream) {
   using C = Sm90Bwd<T, D>;
   const int64_t blocks = static_cast<int64_t>(cdiv(p.J, C::kCols)) * p.B * p.Hkv;
   return with_policy(score, [&](auto policy) {
     return launch(bwd_sm90_kernel<T, D, typename decltype(policy)::type>, blocks, C::kWarps * 32, C::kBytes, p, stream);
   });
-}
-
-// The backward for the current device: the Hopper kernel where it is built and covers (T, D), else
-// the mma.sync one.
-template <class T, int D>
-cudaError_t run_bwd_any(const Params& p, Score score, cudaStream_t stream) {
-#if defined(ATTN_SM90A)
-  if constexpr (Sm90Bwd<T, D>::kSupported) {
-    if (use_sm90()) return run_bwd_sm90<T, D>(p, score, stream);
-  }
-#endif
-  return run_bwd<T, D>(p, score, stream);
 }
 
 }  // namespace attn

@@ -136,6 +136,93 @@ __device__ __forceinline__ void fwd_scores(const Params& p, const Policy& pol, f
   }
 }
 
+// One forward block's share of the work and the pieces both forward kernels (mma.sync here, wgmma in
+// fwd_sm90.cuh) do the same way: which (batch, head) and kBr query rows it owns, the loads of its Q tile
+// and of K/V tiles (with their keys' 1/|k|), each row's logit scale, and the epilogue.
+template <class T, int D, int kBr, int kBc, int kThreads>
+struct FwdBlock {
+  static constexpr int kRowBytes = D * sizeof(T);
+  const Params& p;
+  int bh, m0, n_tiles;
+  const T *k, *v, *bias;
+  const uint8_t* mask;
+  const float* rk;
+  int64_t row_vec;  // this (batch, head)'s offset in the per-row vectors (1/|q|, stat)
+
+  __device__ explicit FwdBlock(const Params& params) : p(params) {
+    // Block order. Causal: row blocks latest first across all heads, the heaviest first, so that the
+    // grid's tail is made of short blocks. Otherwise heads one after another, so that the blocks
+    // resident at a time share a few heads' K/V in L2 (all heads' K/V outgrow it: 128 MB at b4 h8
+    // n16384 d64). H200, bf16, b4 h8 d64: each order is 3-20% slower on the other's case.
+    const int m_blocks = cdiv(p.I, kBr), bh_count = p.B * p.H;
+    bh = p.causal ? blockIdx.x % bh_count : blockIdx.x / m_blocks;
+    m0 = (m_blocks - 1 - (p.causal ? blockIdx.x / bh_count : blockIdx.x % m_blocks)) * kBr;
+    const int b = bh / p.H, h = bh % p.H, hk = h / p.group;
+    k = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh;
+    v = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh;
+    bias = p.bias ? static_cast<const T*>(p.bias) + b * p.bias_sb + h * p.bias_sh : nullptr;
+    mask = p.mask ? p.mask + b * p.mask_sb : nullptr;
+    rk = p.rk ? p.rk + static_cast<int64_t>(b * p.Hkv + hk) * p.j_pad : nullptr;
+    row_vec = static_cast<int64_t>(bh) * p.i_pad;
+    const int n_end = p.causal ? min(p.J, m0 + min(kBr, p.I - m0) + p.J - p.I) : p.J;  // keys the last row may see
+    n_tiles = n_end > 0 ? cdiv(n_end, kBc) : 0;
+  }
+
+  template <class Dst>
+  __device__ __forceinline__ void load_q(const Dst& sq) const {
+    const T* q = static_cast<const T*>(p.q) + bh / p.H * p.q_sb + bh % p.H * p.q_sh;
+    cp_tile<kBr, kRowBytes, kThreads>(sq, reinterpret_cast<const char*>(q + m0 * p.q_si), p.q_si * sizeof(T),
+                                      min(kBr, p.I - m0), q);
+  }
+  // K/V tile `tile` and its keys' 1/|k| (where the qk norm is on) into one stage.
+  template <class Dst>
+  __device__ __forceinline__ void load_kv(int tile, const Dst& sk, const Dst& sv, uint32_t s_rk) const {
+    const int n0 = tile * kBc;
+    cp_tile<kBc, kRowBytes, kThreads>(sk, reinterpret_cast<const char*>(k + n0 * p.k_sj), p.k_sj * sizeof(T), p.J - n0,
+                                      k);
+    cp_tile<kBc, kRowBytes, kThreads>(sv, reinterpret_cast<const char*>(v + n0 * p.v_sj), p.v_sj * sizeof(T), p.J - n0,
+                                      v);
+    if (rk) cp_floats<kBc>(s_rk, rk + n0, p.j_pad - n0);
+  }
+  // alpha/|q| of query row t (alpha where the qk norm is off or t is past the end).
+  __device__ __forceinline__ float row_scale(int t) const {
+    return p.alpha * (p.rq && t < p.I ? p.rq[row_vec + t] : 1.f);
+  }
+
+  // O / l and the row statistic for the 16 kMT rows from wrow on, which only this warp reads in sQ (the
+  // Q tile, reused to stage O for 16-byte coalesced stores). lsum: each thread's rows' complete sums.
+  template <class Policy, int kMT, class Tile_>
+  __device__ __forceinline__ void store(const Tile_& sq, const float (&o)[kMT][D / 8][4], const float (&lsum)[kMT][2],
+                                        const float (&mx)[kMT][2], int wrow) const {
+    const int lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const float l = lsum[mt][hf];
+        const float inv = !p.normalize ? 1.f : (l > 0.f ? 1.f / l : 0.f);
+        const int r = wrow + mt * 16 + g + 8 * hf;
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd)
+          sts_pair<T>(sq.at(r, (nd * 8 + 2 * tq) * sizeof(T)), o[mt][nd][2 * hf] * inv, o[mt][nd][2 * hf + 1] * inv);
+        if (tq == 0 && m0 + r < p.i_pad) {  // the pad rows too: the backward reads whole tiles of stat
+          float stat = inv;
+          if constexpr (Policy::kRowMax) stat = l > 0.f ? mx[mt][hf] + log2f(l) : INFINITY;
+          p.stat[row_vec + m0 + r] = stat;
+        }
+      }
+    __syncwarp();
+    T* out = static_cast<T*>(p.o) + (static_cast<int64_t>(bh) * p.I + m0) * D;
+    constexpr int kChunks = kRowBytes / 16;
+#pragma unroll
+    for (int c = lane; c < 16 * kMT * kChunks; c += 32) {
+      const int r = wrow + c / kChunks, x = c % kChunks;
+      if (m0 + r < p.I)
+        *reinterpret_cast<uint4*>(reinterpret_cast<char*>(out + r * D) + x * 16) = lds128(sq.at(r, x * 16));
+    }
+  }
+};
+
 template <class T, int D, class Policy>
 __global__ void __launch_bounds__(FwdConfig<T, D>::kWarps * 32) fwd_kernel(const Params p) {
   using C = FwdConfig<T, D>;
@@ -143,66 +230,39 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kWarps * 32) fwd_kernel(const
   using M = Mma<T>;
   constexpr int kThreads = C::kWarps * 32, kBr = C::kRows, kBc = C::kCols;
   constexpr int kMT = kBr / (16 * C::kWarps);
-  constexpr int kKD = D / 16, kNC = kBc / 8, kND = D / 8, kRowBytes = D * sizeof(T);
+  constexpr int kKD = D / 16, kNC = kBc / 8, kND = D / 8;
   extern __shared__ __align__(16) char smem[];
   const uint32_t s0 = smem_u32(smem);
   const Tile sQ{s0 + S::kQ, S::kPitch};
   const float* s_rk = reinterpret_cast<const float*>(smem + S::kRk);
 
-  // Row blocks run latest first across all heads: under causal they are the heaviest, so the grid's
-  // tail is made of short blocks.
-  const int bh_count = p.B * p.H;
-  const int bh = blockIdx.x % bh_count;
-  const int m0 = (cdiv(p.I, kBr) - 1 - blockIdx.x / bh_count) * kBr;
-  const int b = bh / p.H, h = bh % p.H, hk = h / p.group;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const FwdBlock<T, D, kBr, kBc, kThreads> blk(p);
+  const int m0 = blk.m0, n_tiles = blk.n_tiles;
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, tq = threadIdx.x % 4;
   const int wrow = warp * 16 * kMT;
 
-  const T* q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh;
-  const T* bias = p.bias ? static_cast<const T*>(p.bias) + b * p.bias_sb + h * p.bias_sh : nullptr;
-  const uint8_t* mask = p.mask ? p.mask + b * p.mask_sb : nullptr;
-  const float* rk = p.rk ? p.rk + static_cast<int64_t>(b * p.Hkv + hk) * p.j_pad : nullptr;
-  const int64_t row_vec = static_cast<int64_t>(bh) * p.i_pad;
-
-  const int rows = min(kBr, p.I - m0);
-  const int n_end = p.causal ? min(p.J, m0 + rows + p.J - p.I) : p.J;  // keys the last row may see
-  const int n_tiles = n_end > 0 ? cdiv(n_end, kBc) : 0;
-
   auto load_kv = [&](int tile) {
-    const int n0 = tile * kBc, stage = tile % S::kStages;
-    cp_tile<kBc, kRowBytes, kThreads>(Tile{s0 + S::kK + stage * kBc * S::kPitch, S::kPitch},
-                                      reinterpret_cast<const char*>(k + n0 * p.k_sj), p.k_sj * sizeof(T),
-                                      p.J - n0, k);
-    cp_tile<kBc, kRowBytes, kThreads>(Tile{s0 + S::kV + stage * kBc * S::kPitch, S::kPitch},
-                                      reinterpret_cast<const char*>(v + n0 * p.v_sj), p.v_sj * sizeof(T),
-                                      p.J - n0, v);
-    if (rk) cp_floats<kBc>(s0 + S::kRk + stage * kBc * 4, rk + n0, p.j_pad - n0);
+    const int stage = tile % S::kStages;
+    blk.load_kv(tile, Tile{s0 + S::kK + stage * kBc * S::kPitch, S::kPitch},
+                Tile{s0 + S::kV + stage * kBc * S::kPitch, S::kPitch}, s0 + S::kRk + stage * kBc * 4);
   };
-  cp_tile<kBr, kRowBytes, kThreads>(sQ, reinterpret_cast<const char*>(q + m0 * p.q_si), p.q_si * sizeof(T),
-                                    rows, q);
+  blk.load_q(sQ);
   if (n_tiles > 0) load_kv(0);
   cp_async_commit();
   if (n_tiles > 1) load_kv(1);
   cp_async_commit();
 
-  // alpha * 1/|q| for this thread's rows: wrow + mt*16 + g + 8*half
+  // alpha/|q| and the last visible key (-1 past the end) of this thread's rows wrow + 16 mt + g + 8 hf.
   float rs[kMT][2];
+  int last[kMT][2];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int t = m0 + wrow + mt * 16 + g + 8 * hf;
-      rs[mt][hf] = p.alpha * (p.rq && t < p.I ? p.rq[row_vec + t] : 1.f);
+      rs[mt][hf] = blk.row_scale(t);
+      last[mt][hf] = last_key(p, t);
     }
-
-  // The last key each of this thread's rows may see (-1 for rows past the end).
-  int last[kMT][2];
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) last[mt][hf] = last_key(p, m0 + wrow + mt * 16 + g + 8 * hf);
 
   cp_async_wait<1>();
   __syncthreads();
@@ -256,8 +316,8 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kWarps * 32) fwd_kernel(const
       }
     }
 
-    fwd_scores<T, kBr>(p, pol, s, o, l, mx, rs, last, rk != nullptr, s_rk + stage * kBc, bias, mask, m0 + wrow, n0, m0,
-                       g, tq);
+    fwd_scores<T, kBr>(p, pol, s, o, l, mx, rs, last, blk.rk != nullptr, s_rk + stage * kBc, blk.bias, blk.mask,
+                       m0 + wrow, n0, m0, g, tq);
 
     // O += P V and l += P 1, 16 keys (two accumulator tiles) per k-step.
 #pragma unroll
@@ -281,32 +341,10 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kWarps * 32) fwd_kernel(const
     }
   }
 
-  // Epilogue: O / l through this warp's own rows of the Q tile (no other warp reads them), then
-  // 16-byte coalesced stores.
+  float lsum[kMT][2];
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const float lsum = l[mt][2 * hf];
-      const float inv = !p.normalize ? 1.f : (lsum > 0.f ? 1.f / lsum : 0.f);
-      const int r = wrow + mt * 16 + g + 8 * hf;
-#pragma unroll
-      for (int nd = 0; nd < kND; ++nd)
-        sts_pair<T>(sQ.at(r, (nd * 8 + 2 * tq) * sizeof(T)), o[mt][nd][2 * hf] * inv, o[mt][nd][2 * hf + 1] * inv);
-      if (tq == 0 && m0 + r < p.i_pad) {  // the pad rows too: the backward reads whole tiles of stat
-        float stat = inv;
-        if constexpr (Policy::kRowMax) stat = lsum > 0.f ? mx[mt][hf] + log2f(lsum) : INFINITY;
-        p.stat[row_vec + m0 + r] = stat;
-      }
-    }
-  __syncwarp();
-  T* out = static_cast<T*>(p.o) + (static_cast<int64_t>(bh) * p.I + m0) * D;
-  constexpr int kChunks = kRowBytes / 16;
-#pragma unroll
-  for (int c = lane; c < 16 * kMT * kChunks; c += 32) {
-    const int r = wrow + c / kChunks, x = c % kChunks;
-    if (m0 + r < p.I) *reinterpret_cast<uint4*>(reinterpret_cast<char*>(out + r * D) + x * 16) = lds128(sQ.at(r, x * 16));
-  }
+  for (int mt = 0; mt < kMT; ++mt) lsum[mt][0] = l[mt][0], lsum[mt][1] = l[mt][2];
+  blk.template store<Policy>(sQ, o, lsum, mx, wrow);
 }
 
 // One CTA per (query tile, batch, head).

@@ -26,6 +26,7 @@ namespace attn {
 template <class T, int D>
 struct Sm90Fwd {
   static constexpr bool kSupported = sizeof(T) == 2 && D == 128;
+  static cudaError_t run(const Params& p, Score score, cudaStream_t stream);  // the launch, after the kernel
   static constexpr int kWG = 3, kCols = 64;
   static constexpr int kThreads = kWG * 128, kRows = 64 * kWG;
   static constexpr int kTileQ = kRows * D * static_cast<int>(sizeof(T));
@@ -49,7 +50,7 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1) fwd_sm90_kernel(co
   using M = Mma<T>;
   constexpr int kThreads = C::kThreads, kBr = C::kRows, kBc = C::kCols, kStages = C::kStages;
   constexpr int kLead = kStages - 2;  // tiles loaded ahead of the one being computed
-  constexpr int kKD = D / 16, kNC = kBc / 8, kND = D / 8, kRowBytes = D * sizeof(T);
+  constexpr int kKD = D / 16, kNC = kBc / 8, kND = D / 8;
   static_assert(kLead >= 1, "at least one tile ahead");
   extern __shared__ __align__(1024) char smem_raw[];
   const uint32_t raw = smem_u32(smem_raw), s0 = (raw + 1023) & ~1023u;
@@ -58,39 +59,20 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1) fwd_sm90_kernel(co
   auto k_tile = [&](int stage) { return SwTile{s0 + C::kK + stage * C::kTileKV, kBc}; };
   auto v_tile = [&](int stage) { return SwTile{s0 + C::kV + stage * C::kTileKV, kBc}; };
 
-  // Row blocks run latest first across all heads (the heaviest first under causal).
-  const int bh_count = p.B * p.H;
-  const int bh = blockIdx.x % bh_count;
-  const int m0 = (cdiv(p.I, kBr) - 1 - blockIdx.x / bh_count) * kBr;
-  const int b = bh / p.H, h = bh % p.H, hk = h / p.group;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const FwdBlock<T, D, kBr, kBc, kThreads> blk(p);
+  const int m0 = blk.m0, n_tiles = blk.n_tiles;
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, tq = threadIdx.x % 4;
   const int wg = warp / 4, wrow = warp * 16;  // warpgroup wg: rows 64 wg ..; this warp: 16 of them
   const int m0w = m0 + 64 * wg;               // the warpgroup's first row
-
-  const T* q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh;
-  const T* bias = p.bias ? static_cast<const T*>(p.bias) + b * p.bias_sb + h * p.bias_sh : nullptr;
-  const uint8_t* mask = p.mask ? p.mask + b * p.mask_sb : nullptr;
-  const float* rk = p.rk ? p.rk + static_cast<int64_t>(b * p.Hkv + hk) * p.j_pad : nullptr;
-  const int64_t row_vec = static_cast<int64_t>(bh) * p.i_pad;
-
-  const int rows = min(kBr, p.I - m0);
-  const int n_end = p.causal ? min(p.J, m0 + rows + p.J - p.I) : p.J;  // keys the block's last row may see
-  const int n_tiles = n_end > 0 ? cdiv(n_end, kBc) : 0;
   // The keys this warpgroup's rows may see: the tiles from wg_end on are all hidden, skipped.
   const int wg_rows = min(64, p.I - m0w);
   const int wg_end = wg_rows <= 0 ? 0 : p.causal ? min(p.J, m0w + wg_rows + p.J - p.I) : p.J;
 
   auto load_kv = [&](int tile) {
-    const int n0 = tile * kBc, stage = tile % kStages;
-    cp_tile<kBc, kRowBytes, kThreads>(k_tile(stage), reinterpret_cast<const char*>(k + n0 * p.k_sj),
-                                      p.k_sj * sizeof(T), p.J - n0, k);
-    cp_tile<kBc, kRowBytes, kThreads>(v_tile(stage), reinterpret_cast<const char*>(v + n0 * p.v_sj),
-                                      p.v_sj * sizeof(T), p.J - n0, v);
-    if (rk) cp_floats<kBc>(s0 + C::kRk + stage * kBc * 4, rk + n0, p.j_pad - n0);
+    const int stage = tile % kStages;
+    blk.load_kv(tile, k_tile(stage), v_tile(stage), s0 + C::kRk + stage * kBc * 4);
   };
-  cp_tile<kBr, kRowBytes, kThreads>(sQ, reinterpret_cast<const char*>(q + m0 * p.q_si), p.q_si * sizeof(T), rows, q);
+  blk.load_q(sQ);
 #pragma unroll
   for (int t = 0; t < kLead; ++t) {
     if (t < n_tiles) load_kv(t);
@@ -103,7 +85,7 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1) fwd_sm90_kernel(co
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int t = m0 + wrow + g + 8 * hf;
-    rs[0][hf] = p.alpha * (p.rq && t < p.I ? p.rq[row_vec + t] : 1.f);
+    rs[0][hf] = blk.row_scale(t);
     last[0][hf] = last_key(p, t);
   }
 
@@ -139,8 +121,8 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1) fwd_sm90_kernel(co
     fence_acc(s[0]);
     fence_acc(o[0]);
 
-    fwd_scores<T, 64>(p, pol, s, o, l, mx, rs, last, rk != nullptr, s_rk + stage * kBc, bias, mask, m0 + wrow, n0, m0w,
-                      g, tq);
+    fwd_scores<T, 64>(p, pol, s, o, l, mx, rs, last, blk.rk != nullptr, s_rk + stage * kBc, blk.bias, blk.mask,
+                      m0 + wrow, n0, m0w, g, tq);
 
     // P as rounded to T, and its row sums from the very same values.
     float ls[2][2] = {};
@@ -169,56 +151,28 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1) fwd_sm90_kernel(co
     __syncthreads();
   }
 
-  // Epilogue: O / l through this warp's own rows of the Q tile (only this warpgroup's S read them: it is
-  // complete once all four warps are past their last wait), then 16-byte coalesced stores.
+  // The epilogue stages O in this warp's rows of the Q tile, which only this warpgroup's S read: they
+  // are free once all four of its warps are past their last wait.
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+  float lsum[1][2];
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
-    float lsum = l[0][2 * hf];
-    lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
-    lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
-    const float inv = !p.normalize ? 1.f : (lsum > 0.f ? 1.f / lsum : 0.f);
-    const int r = wrow + g + 8 * hf;
-#pragma unroll
-    for (int nd = 0; nd < kND; ++nd)
-      sts_pair<T>(sQ.at(r, (nd * 8 + 2 * tq) * sizeof(T)), o[0][nd][2 * hf] * inv, o[0][nd][2 * hf + 1] * inv);
-    if (tq == 0 && m0 + r < p.i_pad) {  // the pad rows too: the backward reads whole tiles of stat
-      float stat = inv;
-      if constexpr (Policy::kRowMax) stat = lsum > 0.f ? mx[0][hf] + log2f(lsum) : INFINITY;
-      p.stat[row_vec + m0 + r] = stat;
-    }
+    lsum[0][hf] = l[0][2 * hf];
+    lsum[0][hf] += __shfl_xor_sync(0xffffffffu, lsum[0][hf], 1);
+    lsum[0][hf] += __shfl_xor_sync(0xffffffffu, lsum[0][hf], 2);
   }
-  __syncwarp();
-  T* out = static_cast<T*>(p.o) + (static_cast<int64_t>(bh) * p.I + m0) * D;
-  constexpr int kChunks = kRowBytes / 16;
-#pragma unroll
-  for (int c = lane; c < 16 * kChunks; c += 32) {
-    const int r = wrow + c / kChunks, x = c % kChunks;
-    if (m0 + r < p.I) *reinterpret_cast<uint4*>(reinterpret_cast<char*>(out + r * D) + x * 16) = lds128(sQ.at(r, x * 16));
-  }
+  blk.template store<Policy>(sQ, o, lsum, mx, wrow);
 #endif
 }
 
 // One CTA per (query tile, batch, head).
 template <class T, int D>
-cudaError_t run_fwd_sm90(const Params& p, Score score, cudaStream_t stream) {
+cudaError_t Sm90Fwd<T, D>::run(const Params& p, Score score, cudaStream_t stream) {
   using C = Sm90Fwd<T, D>;
   const int64_t blocks = static_cast<int64_t>(cdiv(p.I, C::kRows)) * p.B * p.H;
   return with_policy(score, [&](auto policy) {
     return launch(fwd_sm90_kernel<T, D, typename decltype(policy)::type>, blocks, C::kThreads, C::kBytes, p, stream);
   });
-}
-
-// The forward for the current device: the Hopper kernel where it is built and covers (T, D), else the
-// mma.sync one.
-template <class T, int D>
-cudaError_t run_fwd_any(const Params& p, Score score, cudaStream_t stream) {
-#if defined(ATTN_SM90A)
-  if constexpr (Sm90Fwd<T, D>::kSupported) {
-    if (use_sm90()) return run_fwd_sm90<T, D>(p, score, stream);
-  }
-#endif
-  return run_fwd<T, D>(p, score, stream);
 }
 
 }  // namespace attn

@@ -6,6 +6,18 @@
 #include "linear.cuh"
 
 namespace attn {
+// The launch for the current device: the Hopper kernel (Sm90::run) where the build has sm_90a and it
+// covers (T, D), else the mma.sync one (kPortable).
+template <class Sm90, cudaError_t (*kPortable)(const Params&, Score, cudaStream_t)>
+cudaError_t run_on_device(const Params& p, Score score, cudaStream_t stream) {
+#if defined(ATTN_SM90A)
+  if constexpr (Sm90::kSupported) {
+    if (use_sm90()) return Sm90::run(p, score, stream);
+  }
+#endif
+  return kPortable(p, score, stream);
+}
+
 template <class T, int D>
 constexpr LinFn linear_fn() {
   if constexpr (sizeof(T) == 2) {
@@ -16,8 +28,9 @@ constexpr LinFn linear_fn() {
 }
 }  // namespace attn
 
-#define ATTN_REGISTER(T, DTYPE, D)                                                                   \
-  namespace {                                                                                        \
-  const bool registered = attn::register_kernels(attn::Dtype::DTYPE, D, &attn::run_fwd_any<T, D>,     \
-                                                 &attn::run_bwd_any<T, D>, attn::linear_fn<T, D>()); \
+#define ATTN_REGISTER(T, DTYPE, D)                                                                              \
+  namespace {                                                                                                   \
+  const bool registered = attn::register_kernels(                                                               \
+      attn::Dtype::DTYPE, D, &attn::run_on_device<attn::Sm90Fwd<T, D>, &attn::run_fwd<T, D>>,                   \
+      &attn::run_on_device<attn::Sm90Bwd<T, D>, &attn::run_bwd<T, D>>, attn::linear_fn<T, D>());                \
   }
