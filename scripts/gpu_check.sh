@@ -26,6 +26,9 @@ fi
 
 if step build; then
   say "build (TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} ATTN_DTYPES=${ATTN_DTYPES:-all} ATTN_HEADDIMS=${ATTN_HEADDIMS:-all})"
+  # From scratch: a machine kept warm between calls keeps the last call's objects, which can be newer
+  # than the sources copied in (their times are kept), so an incremental build may keep stale kernels.
+  rm -rf build attention_cuda/_C*.so
   TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16} \
     python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1
   if [ $? -ne 0 ]; then
@@ -129,22 +132,49 @@ case(4, 8, 8192, 64, False, torch.float32, SDPBackend.EFFICIENT_ATTENTION)
 EOF
 fi
 if step profile; then
-  # Hardware counters of one forward and one backward launch (b4 h8 n8192 d64 bf16): throughput,
-  # pipe use and why warps stall.
+  # Hardware counters of the launches of one bf16 case per kernel (b4 h8 n8192 d64 forward and
+  # backward, b1 h32 n4096 d128 forward): throughput, pipe use and why warps stall; then every
+  # kernel's time in back-to-back calls, and the SASS instruction mix of the Hopper kernels (HGMMA/HMMA,
+  # MUFU, LDGSTS/UTMALDG).
   case='
 import torch
 from attention_cuda import cosine_sim_attention
 q, k, v = (torch.randn(4, 8, 8192, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 torch.autograd.grad(cosine_sim_attention(q, k, v, backend="cuda"), (q, k, v), torch.randn_like(q))
+q, k, v = (torch.randn(1, 32, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+cosine_sim_attention(q, k, v, backend="cuda")
 torch.cuda.synchronize()
 '
   say "ncu"
-  ncu --clock-control none -k regex:"fwd_kernel|bwd_kernel" -c 2 --section SpeedOfLight --section ComputeWorkloadAnalysis \
-    --section WarpStateStats --section MemoryWorkloadAnalysis_Tables python3 -c "$case" > "$OUT/ncu_sections.txt" 2>&1
-  ncu --clock-control none -k regex:"fwd_kernel|bwd_kernel" -c 2 \
+  kernels='regex:fwd_kernel|fwd_sm90|bwd_kernel|bwd_sm90|rnorm'
+  ncu --clock-control none -k "$kernels" --section SpeedOfLight --section ComputeWorkloadAnalysis \
+    --section WarpStateStats --section SchedulerStats --section InstructionStats python3 -c "$case" \
+    > "$OUT/ncu_sections.txt" 2>&1
+  ncu --clock-control none -k "$kernels" \
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" python3 -c "$case" > "$OUT/ncu_stalls.txt" 2>&1
-  grep -E "fwd_kernel|bwd_kernel|Throughput|Pipe|Issue|Warp Cycles|Bank|Duration|Executed Ipc" "$OUT/ncu_sections.txt" | cut -c1-150 | head -60
-  grep -E "fwd_kernel|bwd_kernel|stalled" "$OUT/ncu_stalls.txt" | awk '$NF+0 > 0.05 || /kernel/' | cut -c1-150 | head -60
+  grep -E "attn::|Throughput|Pipe|Issue|Warp Cycles|Eligible|Bank|Duration|Executed Ipc" "$OUT/ncu_sections.txt" | cut -c1-150 | head -90
+  grep -E "attn::|stalled" "$OUT/ncu_stalls.txt" | awk '$NF+0 > 0.05 || /attn::/' | cut -c1-150 | head -80
+  say "kernel times, 5 fwd+bwd calls back to back (PyTorch profiler: ncu's times of short kernels are not usable here)"
+  python3 - <<'PY' 2>&1 | grep -E "attn::|elementwise" | cut -c1-60,100-175
+import torch
+from torch.profiler import ProfilerActivity, profile
+from attention_cuda import cosine_sim_attention
+q, k, v = (torch.randn(4, 8, 8192, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+g = torch.randn_like(q)
+for _ in range(3):
+    cosine_sim_attention(q, k, v, backend="cuda").backward(g)
+torch.cuda.synchronize()
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    for _ in range(5):
+        cosine_sim_attention(q, k, v, backend="cuda").backward(g)
+    torch.cuda.synchronize()
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+PY
+  say "SASS instruction mix"
+  for so in attention_cuda/_C*.so; do cuobjdump --dump-sass "$so"; done > "$OUT/sass.txt" 2>&1
+  awk '/Function :/ {f=$3} /HGMMA|HMMA|MUFU.EX2|LDGSTS|UTMALDG|BAR.SYNC|SYNCS/ {
+         match($0, /(HGMMA|HMMA|MUFU.EX2|LDGSTS|UTMALDG|BAR.SYNC|SYNCS)[.A-Z0-9_]*/); n[f" "substr($0, RSTART, RLENGTH)]++ }
+       END {for (k in n) print n[k], k}' "$OUT/sass.txt" | grep -E "fwd_sm90|bwd_sm90" | sort -k2 | cut -c1-200 | head -40
 fi
 if step suite; then
   # The CPU-side suite (model, training, data, references) on the GPU machine: bf16 autocast paths
