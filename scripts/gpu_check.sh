@@ -7,6 +7,7 @@
 #   STEPS="build timing" bash scripts/gpu_check.sh  # a subset of: wheels build tests sanitizer timing profile
 #                                                     suite bench throughput context compare ddp
 #   TESTS="tests/test_cuda_kernels.py -k layouts"   # what pytest runs (default: every GPU test)
+#   PROFILE_SOURCE=1 STEPS="build profile"          # also per-instruction stall counts (ncu_source.csv)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -154,6 +155,15 @@ torch.cuda.synchronize()
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" python3 -c "$case" > "$OUT/ncu_stalls.txt" 2>&1
   grep -E "attn::|Throughput|Pipe|Issue|Warp Cycles|Eligible|Bank|Duration|Executed Ipc" "$OUT/ncu_sections.txt" | cut -c1-150 | head -90
   grep -E "attn::|stalled" "$OUT/ncu_stalls.txt" | awk '$NF+0 > 0.05 || /attn::/' | cut -c1-150 | head -80
+  if [ -n "${PROFILE_SOURCE:-}" ]; then
+    # Where the warps stall, per SASS instruction (one launch of each kernel): $OUT/ncu_source.csv.
+    say "ncu source counters"
+    ncu --clock-control none -k "$kernels" -c 3 --section SourceCounters -f -o "$OUT/src" python3 -c "$case" \
+      > /dev/null 2>&1
+    ncu -i "$OUT/src.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source.csv" 2>&1
+    rm -f "$OUT/src.ncu-rep"
+    wc -l "$OUT/ncu_source.csv"
+  fi
   say "kernel times, 5 fwd+bwd calls back to back (PyTorch profiler: ncu's times of short kernels are not usable here)"
   python3 - <<'PY' 2>&1 | grep -E "attn::|elementwise" | cut -c1-60,100-175
 import torch
