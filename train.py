@@ -296,6 +296,11 @@ def refuse_train_flags(parser: argparse.ArgumentParser, extra: list[str], fields
             parser.error(f"{flag.split('=')[0]} after --: {parser.prog} {why}")
 
 
+def out_of_memory(err: torch.OutOfMemoryError) -> dict:
+    """A measuring script's record of a configuration that did not fit."""
+    return {"ok": False, "reason": "out of memory", "detail": str(err).splitlines()[0][:300]}
+
+
 def choice_list(parser: argparse.ArgumentParser, flag: str, text: str, choices) -> list[str]:
     """text's comma-separated items, or parser.error naming the ones not among choices."""
     values = text.split(",")
@@ -318,6 +323,22 @@ def require_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, 
 def autocast_for(device: torch.device, dtype: torch.dtype):
     """What every forward runs under: autocast to a lower precision, or nothing in fp32."""
     return torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+
+
+def optimizer_step(model: GPT, optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.Tensor:
+    """Clip the gradients to cfg.grad_clip, step, clear them; the norm before clipping."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def train_step(model: GPT, optimizer: torch.optim.Optimizer, x, y, cfg: TrainConfig, autocast) -> None:
+    """One whole training step on one batch, as the training loop takes it (for the measuring scripts)."""
+    with autocast:
+        _, loss = model(x, y)
+    loss.backward()
+    optimizer_step(model, optimizer, cfg)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -703,9 +724,7 @@ def main(argv: list[str] | None = None) -> int:
                         _, loss = train_model(x, y)
                     (loss / micro_steps).backward()
                 loss_sum += loss.detach()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm = optimizer_step(model, optimizer, cfg)
             # One all-reduce carries the loss summed over ranks and whether any rank was signalled, so the
             # logged loss is the whole step's and all ranks stop after the same step.
             stats = torch.stack([loss_sum, torch.tensor(float(stop.signum is not None), device=device)])

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import subprocess
 import sys
@@ -40,6 +39,7 @@ sys.path.insert(0, str(ROOT))  # train.py and the model live at the repository r
 import torch  # noqa: E402
 
 import train  # noqa: E402
+from compare import fmt  # noqa: E402
 from model import GPT  # noqa: E402
 
 VARIANTS = {"softmax": ("softmax", False), "cosine": ("cosine", False), "cosine-kernel": ("cosine", True),
@@ -100,16 +100,11 @@ def one_step(cfg: train.TrainConfig, memory_cap_gib: float | None) -> dict:
         x, y = torch.randint(0, 256, (2, 1, cfg.seq_len), device=device)
         for n in (1, cfg.seq_len):  # the step on one byte allocates AdamW's state
             t0 = time.perf_counter()
-            with autocast:
-                _, loss = model(x[:, :n], y[:, :n])
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            train.train_step(model, optimizer, x[:, :n], y[:, :n], cfg, autocast)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
     except torch.OutOfMemoryError as err:
-        return {**result, "ok": False, "reason": "out of memory", "detail": str(err).splitlines()[0][:300]}
+        return {**result, **train.out_of_memory(err)}
     peak = train.peak_memory_gib(device)
     result.update(step_s=time.perf_counter() - t0, peak_mem_gib=peak, step_mem_gib=peak - peak_before)
     if memory_cap_gib is not None and device.type == "cpu" and result["step_mem_gib"] > memory_cap_gib:
@@ -182,10 +177,6 @@ def bounds(attempts: list[dict]) -> tuple[int | None, int | None]:
     after every attempt, so an interrupted search still reports its bounds."""
     return (max((a["seq_len"] for a in attempts if a["ok"]), default=None),
             min((a["seq_len"] for a in attempts if not a["ok"]), default=None))
-
-
-def fmt(value, spec: str) -> str:
-    return "–" if value is None else format(value, spec)
 
 
 def write_report(args, extra: list[str], attempts: dict[str, list[dict]], stopped: dict[str, str],

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -80,12 +79,7 @@ def measure(variant: str, cfg: train.TrainConfig, device, dtype, warmup: int, st
     x, y = torch.randint(0, 256, (2, cfg.batch_size, cfg.seq_len), device=device)
 
     def step():
-        with autocast:
-            _, loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train.train_step(model, optimizer, x, y, cfg, autocast)
 
     def sync():
         if device.type == "cuda":
@@ -115,7 +109,7 @@ def run_one(variant: str, seq_len: int, args, extra: list[str], device, dtype) -
     try:
         return {**record, **measure(variant, cfg, device, dtype, args.warmup, args.steps)}
     except torch.OutOfMemoryError as err:
-        return {**record, "ok": False, "reason": "out of memory", "detail": str(err).splitlines()[0][:300]}
+        return {**record, **train.out_of_memory(err)}
 
 
 def write_report(results: list[dict], args, extra: list[str], hardware: str, out: Path) -> None:
