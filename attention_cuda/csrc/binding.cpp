@@ -193,9 +193,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_fwd(const Tensor& q, const Tenso
   Tensor stat = at::empty({c.B, c.H, p.i_pad}, f32);
   Tensor rq = at::empty({0}, f32), rk = at::empty({0}, f32);  // stay empty without qk norm
   if (qk_norm) {
+    // 1/|q| comes from the forward's own Q tiles; 1/|k| from a row pass, as every query block needs all
+    // of it before its first tile.
     rq = at::empty({c.B, c.H, p.i_pad}, f32), rk = at::empty({c.B, c.Hkv, p.j_pad}, f32);
-    check_ok(attn::run_row_rnorm(c.dtype, p.q, p.q_sb, p.q_sh, p.q_si, c.B, c.H, c.I, c.D, p.i_pad,
-                                 rq.data_ptr<float>(), stream), "q norms");
     check_ok(attn::run_row_rnorm(c.dtype, p.k, p.k_sb, p.k_sh, p.k_sj, c.B, c.Hkv, c.J, c.D, p.j_pad,
                                  rk.data_ptr<float>(), stream), "k norms");
     p.rq = rq.data_ptr<float>(), p.rk = rk.data_ptr<float>();

@@ -184,9 +184,30 @@ struct FwdBlock {
                                       v);
     if (rk) cp_floats<kBc>(s_rk, rk + n0, p.j_pad - n0);
   }
-  // alpha/|q| of query row t (alpha where the qk norm is off or t is past the end).
-  __device__ __forceinline__ float row_scale(int t) const {
-    return p.alpha * (p.rq && t < p.I ? p.rq[row_vec + t] : 1.f);
+  // alpha/|q| (alpha without the qk norm) of this thread's rows wrow + 16 mt + g + 8 hf, from the Q tile
+  // sq once it has landed, so q is read once: the four threads of a quad share a row, each summing
+  // every fourth 16-byte chunk of it. With the qk norm, 1/|q| also goes to p.rq for the backward (0
+  // for the pad rows).
+  template <int kMT, class Tile_>
+  __device__ __forceinline__ void row_scales(const Tile_& sq, float (&rs)[kMT][2], int wrow) const {
+    const int g = threadIdx.x % 32 / 4, tq = threadIdx.x % 4;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = wrow + mt * 16 + g + 8 * hf, t = m0 + r;
+        float rq = 1.f;
+        if (p.rq) {
+          float ss = 0.f;
+#pragma unroll
+          for (int c = tq; c < kRowBytes / 16; c += 4) ss += sum_squares<T>(lds128(sq.at(r, c * 16)));
+          ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+          ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+          rq = t < p.I ? 1.f / fmaxf(sqrtf(ss), kNormEps) : 0.f;
+          if (tq == 0 && t < p.i_pad) p.rq[row_vec + t] = rq;
+        }
+        rs[mt][hf] = p.alpha * (t < p.I ? rq : 1.f);
+      }
   }
 
   // O / l and the row statistic for the 16 kMT rows from wrow on, which only this warp reads in sQ (the
@@ -252,20 +273,17 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kWarps * 32) fwd_kernel(const
   if (n_tiles > 1) load_kv(1);
   cp_async_commit();
 
-  // alpha/|q| and the last visible key (-1 past the end) of this thread's rows wrow + 16 mt + g + 8 hf.
-  float rs[kMT][2];
+  // The last visible key (-1 past the end) of this thread's rows wrow + 16 mt + g + 8 hf.
   int last[kMT][2];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int t = m0 + wrow + mt * 16 + g + 8 * hf;
-      rs[mt][hf] = blk.row_scale(t);
-      last[mt][hf] = last_key(p, t);
-    }
+    for (int hf = 0; hf < 2; ++hf) last[mt][hf] = last_key(p, m0 + wrow + mt * 16 + g + 8 * hf);
 
   cp_async_wait<1>();
   __syncthreads();
+  float rs[kMT][2];
+  blk.row_scales(sQ, rs, wrow);
   uint32_t qf[C::kQInRegs ? kMT : 1][C::kQInRegs ? kKD : 1][M::kA];
   if constexpr (C::kQInRegs) {
 #pragma unroll

@@ -79,15 +79,15 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1) fwd_sm90_kernel(co
     cp_async_commit();
   }
 
-  // alpha/|q| and the last visible key of this thread's rows wrow + g + 8 hf.
-  float rs[1][2];
+  // The last visible key of this thread's rows wrow + g + 8 hf, and their alpha/|q| once the Q tile (in
+  // the first group of loads) has landed.
   int last[1][2];
 #pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int t = m0 + wrow + g + 8 * hf;
-    rs[0][hf] = blk.row_scale(t);
-    last[0][hf] = last_key(p, t);
-  }
+  for (int hf = 0; hf < 2; ++hf) last[0][hf] = last_key(p, m0 + wrow + g + 8 * hf);
+  cp_async_wait<kLead - 1>();
+  __syncthreads();
+  float rs[1][2];
+  blk.row_scales(sQ, rs, wrow);
 
   const Policy pol(p);
   float o[1][kND][4] = {};
@@ -146,11 +146,6 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1) fwd_sm90_kernel(co
   }
   wgmma_wait<0>();
   fence_acc(o[0]);
-  if (n_tiles == 0) {  // no tile's barrier has covered the Q tile's loads, which the epilogue overwrites
-    cp_async_wait<0>();
-    __syncthreads();
-  }
-
   // The epilogue stages O in this warp's rows of the Q tile, which only this warpgroup's S read: they
   // are free once all four of its warps are past their last wait.
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");

@@ -162,6 +162,24 @@ __device__ __forceinline__ float round_for_mma(float x) {
 }
 
 // Store the pair (row, col), (row, col + 1) of fp32 values as T into a shared tile.
+// Sum of the squares of the 16 bytes of T elements in u, in fp32.
+template <class T>
+__device__ __forceinline__ float sum_squares(uint4 u) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (sizeof(T) == 2) {
+      const float2 f = Elem<T>::unpack(w[i]);
+      s += f.x * f.x + f.y * f.y;
+    } else {
+      const float f = __uint_as_float(w[i]);
+      s += f * f;
+    }
+  }
+  return s;
+}
+
 template <class T>
 __device__ __forceinline__ void sts_pair(uint32_t addr, float a, float b) {
   if constexpr (sizeof(T) == 2) {

@@ -35,7 +35,8 @@ struct Params {
   const void* bias;  // (B,H,I,J) in q's dtype (any strides, 0 on broadcast dims); null for none
   int64_t bias_sb, bias_sh, bias_si, bias_sj;
   // 1 / max(|row|, eps) of q (B,H,i_pad) and k (B,Hkv,j_pad); null when q and k are used as given.
-  const float *rq, *rk;
+  float* rq;  // 1/|q|, written by the forward (from its Q tiles), read by the backward
+  const float* rk;
   int i_pad, j_pad;
   bool causal;     // bottom-right aligned: query t sees keys s <= t + J - I
   bool normalize;  // divide by l = sum_s A_ts
