@@ -73,7 +73,7 @@ struct LinParams {
   float* r2;     // (B, chunks, Hkv * rd_heads, kLinChunk, D) fp32, zero on entry, or null: R2 += d psi(x) . S g
   bool causal, reverse, second;  // second: the x^2 term (p = 2)
   float cu[3], cr[3];            // (c0, c1, c2) of the update's and the read's features
-  int rows_per_part;             // set by the launcher: second-order state rows per CTA
+  int parts;                     // set by the launcher: CTAs over the second-order rows (per m-tile)
 };
 
 using FwdFn = cudaError_t (*)(const Params&, Score, cudaStream_t);
