@@ -169,6 +169,12 @@ def linear_unsupported_reason(q) -> str | None:
     return None
 
 
+# Key counts from which the linear form's kernels beat the quadratic ones, per head dim: the smallest
+# measured power of two where they were faster (p = 2, causal forward + backward, bf16, b4 h8, H200;
+# bench/results_fastmax-linear.json and results_fastmax-crossover.json). p = 1 is not measured.
+LINEAR_FROM_KEYS = {16: 16384, 32: 16384, 64: 32768, 96: 65536, 128: 131072}
+
+
 def _extend(x: torch.Tensor) -> torch.Tensor:
     """Rows x' = [x, 1, 0 ... 0] (D + 16 columns): the 1 carries the constant and first-order features."""
     return torch.cat([x, torch.ones_like(x[..., :1]), x.new_zeros(*x.shape[:-1], 15)], dim=-1)

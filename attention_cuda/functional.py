@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import torch
 
 from . import reference
@@ -170,6 +172,15 @@ def fastmax_flops_crossover(dim_head: int, p: int) -> int:
     return 1 + dim_head + (dim_head * (dim_head + 1) // 2 if p == 2 else 0)
 
 
+def fastmax_linear_from(dim_head: int, p: int, on_kernels: bool) -> float:
+    """Key count from which form="auto" runs fastmax's linear form: on the kernels the crossover
+    measured per head dim (p = 2; p = 1 is not measured, so never), else the FLOPs crossover."""
+    if on_kernels:
+        from ._cuda import LINEAR_FROM_KEYS
+        return LINEAR_FROM_KEYS.get(dim_head, math.inf) if p == 2 else math.inf
+    return fastmax_flops_crossover(dim_head, p) + 1
+
+
 def fastmax_attention(q, k, v, *, causal=False, mask=None, p=2, a0=1.0, a1=1.0, a2=0.5,
                       temperature=1.0, normalize=False, lim=1.0, dropout=0.0, backend="auto",
                       form="auto"):
@@ -179,9 +190,9 @@ def fastmax_attention(q, k, v, *, causal=False, mask=None, p=2, a0=1.0, a1=1.0, 
     no future token can change a past output). Coefficients that let f go negative on reachable
     logits are rejected. ``dropout`` drops normalised weights (quadratic form only; the kernels and
     the linear form do not implement it). ``form``: "quadratic" materialises weights tile by tile,
-    "linear" carries moments of k (O(N) time and memory); "auto" takes the kernels' quadratic form
-    where they run (their linear form is slower up to N = 65536 and less precise in its gradients:
-    bench/NOTES.md), else the reference's form with fewer FLOPs at this sequence length.
+    "linear" carries moments of k (O(N) time and memory); "auto" takes the form that was faster on
+    the kernels at this head dim and key count (p = 2 only; p = 1 stays quadratic there), and without
+    them the reference's form with fewer FLOPs.
     """
     call = _canonicalize(q, k, v, mask)
     policy = poly_policy(p, a0, a1, a2, temperature, normalize, lim)
@@ -196,8 +207,10 @@ def fastmax_attention(q, k, v, *, causal=False, mask=None, p=2, a0=1.0, a1=1.0, 
     unsupported = no_dropout if dropout > 0 else None
     if form == "auto":  # dropout exists only in the quadratic form
         on_kernels = backend != "torch" and _use_cuda(call, causal, policy, "auto", unsupported)
-        linear = call.k.shape[2] > fastmax_flops_crossover(call.q.shape[-1], p)
-        form = "linear" if linear and dropout == 0 and not on_kernels else "quadratic"
+        linear = call.k.shape[2] >= fastmax_linear_from(call.q.shape[-1], p, on_kernels)
+        if on_kernels:  # the linear-form kernels take fp16 and bf16 only
+            linear = linear and _kernels()[0].linear_unsupported_reason(call.q) is None
+        form = "linear" if linear and dropout == 0 else "quadratic"
     if form == "linear" and unsupported is None:
         kernels = _kernels()[0]
         unsupported = kernels.linear_unsupported_reason(call.q) if kernels else None

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention_cuda import cosine_sim_attention, fastmax_attention
-from attention_cuda.functional import fastmax_flops_crossover
+from attention_cuda.functional import fastmax_flops_crossover, fastmax_linear_from
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,17 +55,17 @@ def attention_flops_per_token(cfg) -> int:
     - softmax, cosine and fastmax in its quadratic form: q.k^T and the weighted sum of v are
       2·D FLOPs each per (query, key) pair, so 4·D·T forward and 12·D·T for training per token
       (the 12·L·H·D·T of the nanoGPT/PaLM count), halved for causal: 6·D·T.
-    - fastmax in its linear form (what attention_cuda's PyTorch reference runs once T exceeds the
-      feature count F = 1 + D (+ D(D+1)/2 for p = 2); with the kernels training takes their quadratic
-      form): each token adds phi(k) [v, 1]^T to the moments and reads phi(q) against them, 2·F·(D+1)
-      FLOPs each, so 4·F·(D+1) forward and 12·F·(D+1) for training.
+    - fastmax in its linear form (what attention_cuda runs from fastmax_linear_from's key count: the
+      PyTorch reference once T exceeds the feature count F = 1 + D (+ D(D+1)/2 for p = 2), the kernels
+      from the crossover measured per head dim): each token adds phi(k) [v, 1]^T to the moments and
+      reads phi(q) against them, 2·F·(D+1) FLOPs each, so 4·F·(D+1) forward and 12·F·(D+1) for training.
       Causal does not halve it; the small in-chunk band done quadratically is left out.
     The element-wise score function (exp, the polynomial) is not counted, as the convention goes.
     """
     head_dim = cfg.head_dim
-    # attention_cuda's crossover is exactly F: past it the reference runs the cheaper linear form.
-    features = fastmax_flops_crossover(head_dim, cfg.fastmax_p)
-    if cfg.attention == "fastmax" and cfg.seq_len > features and not cfg.use_cuda_kernel:
+    features = fastmax_flops_crossover(head_dim, cfg.fastmax_p)  # F: the feature count
+    linear_from = fastmax_linear_from(head_dim, cfg.fastmax_p, cfg.use_cuda_kernel)
+    if cfg.attention == "fastmax" and cfg.seq_len >= linear_from:
         per_head = 12 * features * (head_dim + 1)
     else:
         per_head = 6 * head_dim * cfg.seq_len

@@ -280,9 +280,10 @@ def test_bias_shape_and_backend_errors():
     torch.testing.assert_close(cosine_sim_attention(x, x, x), cosine_sim_attention(x, x, x, backend="torch"))
 
 
-def test_fastmax_auto_form_on_the_kernels_is_quadratic_and_linear_is_opt_in(monkeypatch):
-    """Where the kernels run, "auto" takes their tiled quadratic form at any length (their linear form
-    is slower up to 65536 keys); form="linear" reaches the linear-form kernel, whose limits raise."""
+def test_fastmax_auto_form_on_the_kernels_follows_the_measured_crossover(monkeypatch):
+    """Where the kernels run, "auto" takes their linear form from the key count measured per head dim
+    (p = 2, fp16/bf16), else their tiled quadratic form; form="linear" reaches the linear-form kernel,
+    whose limits raise."""
     from types import SimpleNamespace
 
     from attention_cuda import _cuda, functional
@@ -293,12 +294,16 @@ def test_fastmax_auto_form_on_the_kernels_is_quadratic_and_linear_is_opt_in(monk
                            linear_attention=lambda q, k, v, mask, causal, policy: calls.append("linear") or q)
     monkeypatch.setattr(functional, "_kernels", lambda: (fake, None))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    x = torch.randn(1, 1, functional.fastmax_flops_crossover(16, 2) + 1, 16, dtype=torch.bfloat16)
-    fastmax_attention(x, x, x, causal=True)
-    fastmax_attention(x, x, x, causal=True, backend="cuda")
-    fastmax_attention(x, x, x, causal=True, backend="cuda", form="linear")
-    assert calls == ["quadratic", "quadratic", "linear"]
+    cross = _cuda.LINEAR_FROM_KEYS[16]
+    short, long = (torch.randn(1, 1, n, 16, dtype=torch.bfloat16) for n in (cross - 1, cross))
+    fastmax_attention(short, short, short, causal=True)
+    fastmax_attention(long, long, long, causal=True)
+    fastmax_attention(long, long, long, causal=True, backend="cuda")
+    fastmax_attention(long, long, long, causal=True, p=1, normalize=True)  # p = 1: not measured
+    fastmax_attention(long.float(), long.float(), long.float(), causal=True)  # no fp32 linear kernel
+    fastmax_attention(short, short, short, causal=True, backend="cuda", form="linear")
+    assert calls == ["quadratic", "linear", "linear", "quadratic", "quadratic", "linear"]
     with pytest.raises(NotImplementedError, match="float16 and bfloat16"):
-        fastmax_attention(x.float(), x.float(), x.float(), backend="cuda", form="linear")
+        fastmax_attention(short.float(), short.float(), short.float(), backend="cuda", form="linear")
     with pytest.raises(NotImplementedError, match="dropout"):
-        fastmax_attention(x, x, x, backend="cuda", dropout=0.1)
+        fastmax_attention(short, short, short, backend="cuda", dropout=0.1)

@@ -143,6 +143,9 @@ def test_attention_flops():
     fast = tiny(seq_len=1024, attention="fastmax")
     assert attention_flops_per_token(fast) == 2 * 4 * 12 * 45 * 9
     assert attention_flops_per_token(tiny(seq_len=40, attention="fastmax")) == 2 * 4 * 6 * 8 * 40
+    # with the kernels, from the key count where their linear form was measured faster (d=8: never)
+    assert attention_flops_per_token(tiny(seq_len=1024, attention="fastmax", use_cuda_kernel=True)) == \
+        2 * 4 * 6 * 8 * 1024
     model = GPT(cfg)
     assert model.flops_per_token() == 6 * model.num_params() + attention_flops_per_token(cfg)
 

@@ -108,7 +108,7 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
   }
   auto group = [&](int i) { return kFirst ? warp + i * C::kWarps : i; };
   auto has_group = [&](int i) { return !kFirst || group(i) < C::kJ1; };
-  // The coefficient of a group's features, reading side (update side: cu, applied in the update).
+  // The coefficient in c (cu or cr: c0, c1, c2) of group i's features.
   auto coef = [&](const float* c, int i) { return kFirst ? (group(i) < kJ ? c[1] : c[0]) : c[2]; };
 
   float acc[kR][kG][2][4] = {};     // [row][group][n8 half of the group's features][accumulator]
