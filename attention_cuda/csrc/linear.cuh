@@ -90,6 +90,10 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
   constexpr int kR = kFirst ? 1 : C::kRows, kG = kFirst ? C::kFirstGroups : kJ;
   constexpr int kXBytes = (kFirst ? kDp : D) * 2;  // second-order rows read x's first D columns only
   const int warp = threadIdx.x / 32, lane = lane_id(), g = lane / 4, tq = lane % 4;
+  // The outputs this m-tile's CTA adds to: R1 (columns of w) and R2.
+  const bool r1 = p.r1 != nullptr && mt < p.r1_tiles, r2 = p.r2 != nullptr;
+  const int n_rd = r1 || r2 ? p.rd_heads : 0, per_chunk = p.upd_heads + n_rd;
+  if (n_rd == 0) return;
 
   const uint32_t base = smem_u32(smem);
   auto sX = [&](int i) { return Tile{base + (i & 1) * C::kStage, C::kXPitch}; };  // phase i's stage
@@ -180,7 +184,7 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
   // Each dq[t][a] has one writer in the CTA; y sums over all warps: each warp leaves its share of
   // kYTiles m16 tiles of rows in its slots, and after one barrier the CTA adds them into r1 in global
   // memory.
-  auto read = [&](Tile x, Tile w, bool r1, bool r2, int64_t row0) {
+  auto read = [&](Tile x, Tile w, int64_t row0) {
     uint32_t bt[kG][2][2];
     if (kFirst && r2) {
 #pragma unroll
@@ -298,9 +302,6 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
 
   // The sweep as a list of phases (read or update of one chunk and head), each one's tiles loaded
   // while the one before computes.
-  const bool r1 = p.r1 != nullptr && mt < p.r1_tiles, r2 = p.r2 != nullptr;
-  const int n_rd = r1 || r2 ? p.rd_heads : 0, per_chunk = p.upd_heads + n_rd;
-  if (n_rd == 0) return;
   struct Phase {
     int chunk, head;
     bool read;
@@ -352,7 +353,7 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
       update(sX(i), sW(i));
     } else {
       const int64_t row0 = row_at(f);
-      read(sX(i), sW(i), r1, r2, row0);
+      read(sX(i), sW(i), row0);
       if (r2) {  // this chunk's dq share to global memory (fp32; every m-tile and part adds its own)
         __syncthreads();
         const int half = (col1 - col0) / 2;

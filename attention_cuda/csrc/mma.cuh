@@ -161,7 +161,6 @@ __device__ __forceinline__ float round_for_mma(float x) {
   }
 }
 
-// Store the pair (row, col), (row, col + 1) of fp32 values as T into a shared tile.
 // Sum of the squares of the 16 bytes of T elements in u, in fp32.
 template <class T>
 __device__ __forceinline__ float sum_squares(uint4 u) {
@@ -180,6 +179,7 @@ __device__ __forceinline__ float sum_squares(uint4 u) {
   return s;
 }
 
+// Store the pair (row, col), (row, col + 1) of fp32 values as T into a shared tile.
 template <class T>
 __device__ __forceinline__ void sts_pair(uint32_t addr, float a, float b) {
   if constexpr (sizeof(T) == 2) {
