@@ -175,24 +175,13 @@ def linear_unsupported_reason(q) -> str | None:
 LINEAR_FROM_KEYS = {16: 16384, 32: 16384, 64: 32768, 96: 65536, 128: 131072}
 
 
-def _extend(x: torch.Tensor) -> torch.Tensor:
-    """Rows x' = [x, 1, 0 ... 0] (D + 16 columns): the 1 carries the constant and first-order features."""
-    return torch.cat([x, torch.ones_like(x[..., :1]), x.new_zeros(*x.shape[:-1], 15)], dim=-1)
-
-
-def _chunk_major(x: torch.Tensor, n_pad: int) -> torch.Tensor:
-    """(B, H, N, W) -> (B, chunks, H, LINEAR_CHUNK, W), contiguous, rows past N zero."""
-    b, h, n, w = x.shape
-    x = torch.nn.functional.pad(x, (0, 0, 0, n_pad - n))
-    return x.view(b, h, n_pad // LINEAR_CHUNK, LINEAR_CHUNK, w).transpose(1, 2).contiguous()
-
-
 def linear_attention(q, k, v, mask, causal: bool, policy: ScorePolicy) -> torch.Tensor:
     """Fastmax in its linear form on the kernels: moments carried over chunks of 128 rows (fp32), each
     chunk's own causal block on the tiled quadratic kernel. Same contract as ``attention``.
 
     The moments cost O(D^3) per token (p = 2) and no N: it wins over the quadratic form at long N.
-    Normalisation, the temperature and the [x, 1] extension are differentiable PyTorch around the op.
+    The temperature rides in the coefficients (f(s x) = a0 + a1 s x + a2 s^2 x^2); normalisation, when
+    asked for, is differentiable PyTorch in front of the op.
     """
     from .reference import scale_rows
 
@@ -204,105 +193,88 @@ def linear_attention(q, k, v, mask, causal: bool, policy: ScorePolicy) -> torch.
         return attention(q, k, v, mask, None, causal, policy)
     dtype = _run_dtype(q)
     q, k, v = (t.to(dtype) for t in (q, k, v))
-    b, h, i, d = q.shape
-    hkv, j = k.shape[1], k.shape[2]
-    qs = (scale_rows(q.float(), policy.qk_norm) * policy.scale).to(dtype)
-    ks = scale_rows(k.float(), policy.qk_norm).to(dtype)
-    keep = torch.ones(b, j, dtype=torch.bool, device=q.device) if mask is None else mask
-    front = 0
-    if causal and i != j:  # bottom-right alignment: query t sits at key position t + j - i
-        front = j - i
-        if front > 0:  # queries start at key position j - i: rows before them are placeholders
-            qs = torch.nn.functional.pad(qs, (0, 0, front, 0))
-        else:  # the first i - j queries see no key: placeholder keys, masked
-            ks, v = (torch.nn.functional.pad(x, (0, 0, -front, 0)) for x in (ks, v))
-            keep = torch.nn.functional.pad(keep, (-front, 0), value=False)
-    n_pad = -(-max(qs.shape[2], ks.shape[2]) // LINEAR_CHUNK) * LINEAR_CHUNK
-    qc, kc = _chunk_major(_extend(qs), n_pad), _chunk_major(_extend(ks), n_pad)
-    vc = _chunk_major(_extend(v) * keep[:, None, :, None].to(dtype), n_pad)
-    keep_c = torch.nn.functional.pad(keep, (0, n_pad - keep.shape[1])).view(b * n_pad // LINEAR_CHUNK, LINEAR_CHUNK)
-    out = _LinearAttention.apply(qc, kc, vc, keep_c, causal, (policy.a0, policy.a1, policy.a2))
-    out = out.transpose(1, 2).reshape(b, h, n_pad, d)
-    return out[:, :, max(front, 0):max(front, 0) + i]
+    if policy.qk_norm is not None:
+        q, k = (scale_rows(x.float(), policy.qk_norm).to(dtype) for x in (q, k))
+    # Causal calls align bottom-right: query t sits at key position t + j - i. In chunk rows, queries
+    # start at j - i when there are more keys, and the first i - j queries see placeholder keys when
+    # there are fewer (masked, so those queries see none).
+    front = k.shape[2] - q.shape[2] if causal else 0
+    mask = None if mask is None else mask.contiguous()
+    return _LinearAttention.apply(q, k, v, mask, causal, (policy.a0, policy.a1, policy.a2), policy.scale,
+                                  max(front, 0), max(-front, 0))
 
 
 class _LinearAttention(torch.autograd.Function):
     """y = [num, l] = moments of the chunks before (attn_cuda::linear) + the chunk's own causal block
     (attn_cuda::fwd, whose saved 1/l and output give its num and l back); out = num / l.
 
-    Backward, with g = [dO, -(dO . O)] / l: dq from the same moments read against g (R2), dk and dv from
-    the moments of psi(q) g^T carried in reverse (R1 and R2 with the keys), and the diagonal blocks from
-    attn_cuda::bwd, which given the final O and 1/l computes exactly their share. The two sweeps take
-    the values shifted by their mean mu, and g's last column as -(dO . (O - mu)) / l (see backward).
+    The sweeps take chunk-major rows [x, 1, 0 ... 0] (attn_cuda::lin_rows; the 1 carries the constant
+    and first-order terms) and their outputs come back to natural rows in one pass each (lin_out,
+    lin_grad). Backward, with g = [dO, -(dO . O)] / l: dq from the same moments read against g (R2), dk
+    and dv from the moments of psi(q) g^T carried in reverse (R1 and R2 with the keys), and the diagonal
+    blocks from attn_cuda::bwd, which given the final O and 1/l computes exactly their share. The two
+    sweeps take the values shifted by their mean mu, and g's last column as -(dO . (O - mu)) / l (see
+    backward).
     """
 
     @staticmethod
-    def forward(ctx, qc, kc, vc, keep_c, causal, coefs):
-        b, nc, h, n, dp = qc.shape
-        hkv, d, group = kc.shape[2], dp - 16, qc.shape[2] // kc.shape[2]
-        second = coefs[2] != 0
-        y, _ = torch.ops.attn_cuda.linear(kc, vc, qc, None, 1, group, causal, False, second, [1.0, 1.0, 1.0],
-                                          list(coefs), dp // 16, False)
-        num, l = y[..., :d], y[..., d]
+    def forward(ctx, q, k, v, mask, causal, coefs, scale, shift_q, shift_k):
+        ops = torch.ops.attn_cuda
+        b, h, i, d = q.shape
+        hkv, j = k.shape[1], k.shape[2]
+        n_pad = -(-max(i + shift_q, j + shift_k) // LINEAR_CHUNK) * LINEAR_CHUNK
+        qc = ops.lin_rows(q, None, None, shift_q, n_pad, d + 16)
+        kc = ops.lin_rows(k, None, None, shift_k, n_pad, d + 16)
+        vc = ops.lin_rows(v, mask, None, shift_k, n_pad, d + 16)
+        cr = [coefs[0], coefs[1] * scale, coefs[2] * scale * scale]  # the query side's, temperature included
+        y, _ = ops.linear(kc, vc, qc, None, 1, h // hkv, causal, False, coefs[2] != 0, [1.0, 1.0, 1.0], cr,
+                          (d + 16) // 16, False)
+        keep_c, diag = None, (None, None)
         if causal:
-            o_i, stat_i, _, _ = torch.ops.attn_cuda.fwd(*_diagonal(qc, kc, vc), keep_c, None, True, "poly", 1.0,
-                                                        None, *coefs, True)
-            l_i = torch.where(stat_i > 0, 1.0 / stat_i, 0.0).view(b, nc, h, n)
-            num = num + o_i.float().view(b, nc, h, n, d) * l_i[..., None]
-            l = l + l_i
-        inv_l = torch.where(l > 0, 1.0 / l, 0.0)  # no visible key, or weights that sum to 0: output 0
-        out = (num * inv_l[..., None]).to(qc.dtype)
-        ctx.save_for_backward(qc, kc, vc, keep_c, out, inv_l)
-        ctx.causal, ctx.coefs = causal, coefs
+            keep = torch.ones(b, j, dtype=torch.bool, device=q.device) if mask is None else mask
+            keep_c = torch.nn.functional.pad(keep, (shift_k, n_pad - j - shift_k)).view(-1, LINEAR_CHUNK)
+            diag = ops.fwd(*_diagonal(qc, kc, vc), keep_c, None, True, "poly", scale, None, *coefs, True)[:2]
+        out, inv_l = ops.lin_out(y, *diag, shift_q, i, q.dtype)
+        ctx.save_for_backward(v, mask, qc, kc, vc, keep_c, out, inv_l)
+        ctx.args = (causal, coefs, scale, cr, shift_q, shift_k)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        qc, kc, vc, keep_c, out, inv_l = ctx.saved_tensors
-        causal, coefs = ctx.causal, ctx.coefs
-        b, nc, h, n, dp = qc.shape
-        d, group, second = dp - 16, qc.shape[2] // kc.shape[2], coefs[2] != 0
-        dout = dout.contiguous()
+        ops = torch.ops.attn_cuda
+        v, mask, qc, kc, vc, keep_c, out, inv_l = ctx.saved_tensors
+        causal, coefs, scale, cr, shift_q, shift_k = ctx.args
+        b, h, i, d = out.shape
+        hkv, j, n_pad = v.shape[1], v.shape[2], qc.shape[1] * LINEAR_CHUNK
+        group, second = h // hkv, coefs[2] != 0
         # The sweeps' dq and dk sum phi(k_s) (dO . v_s - dO . O) / l over keys, as the moments of [v, 1]
         # read against g = [dO, -dO . O] / l: two sums, each rounded (g and the moments enter the tensor
         # cores in fp16/bf16), that cancel down to the spread of v. Values with a common offset (real
         # activations have one) make both parts large and the rounding of each shows. The weights sum
         # to 1, so any constant mu may come off both: v_s - mu and O - mu, with mu the mean value of the
         # visible keys per (batch, kv head). The forward keeps v as given (no extra rounding there).
-        keep1 = vc[..., d:d + 1]  # 1 at visible keys (the [v, 1] rows are zero elsewhere)
-        mu = (vc[..., :d].sum((1, 3), keepdim=True, dtype=torch.float32)
-              / keep1.sum((1, 3), keepdim=True, dtype=torch.float32).clamp_min(1.0))  # (B, 1, Hkv, 1, D)
-        vs = vc.clone()
-        vs[..., :d] = (vc[..., :d] - mu * keep1).to(vc.dtype)
-        mu_q = mu.repeat_interleave(group, dim=2)  # per query head
-        delta = (dout.float() * (out.float() - mu_q)).sum(-1, keepdim=True)
-        g = torch.cat([dout.float(), -delta, dout.new_zeros(*dout.shape[:-1], 15, dtype=torch.float32)], dim=-1)
-        g = g * inv_l[..., None]
+        mu = (vc[..., :d].sum((1, 3), dtype=torch.float32)
+              / vc[..., d:d + 1].sum((1, 3), dtype=torch.float32).clamp_min(1.0))  # (B, Hkv, D)
+        vs = ops.lin_rows(v, mask, mu, shift_k, n_pad, d + 16)
         # g = dO / l shrinks with the sequence, and from a causal row with few keys to one with many by
-        # orders of magnitude. The sweeps take it times a power of two (exact) that puts the largest
+        # orders of magnitude. The sweeps take it over a power of two (exact) that puts the largest
         # product the reverse sweep rounds to the input dtype, g c q, near 2^14: the small rows' products
         # stay above fp16's subnormals (2^-14, where digits are lost) and all below its max (65504).
-        cmax = (abs(coefs[2]) * qc[..., :d].abs().amax().float()).clamp_min(max(1.0, abs(coefs[0]), abs(coefs[1])))
-        scale = torch.exp2(torch.ceil(torch.log2((g.abs().amax() * cmax).clamp_min(torch.finfo(torch.float32).tiny)))
-                           - 14)
-        g = (g / scale).to(qc.dtype)
-        _, dq = torch.ops.attn_cuda.linear(kc, vs, qc, g, 1, group, causal, False, second, [1.0, 1.0, 1.0],
-                                           list(coefs), 0, True)
-        dv, dk = torch.ops.attn_cuda.linear(qc, g, kc, vs, group, 1, causal, True, second, list(coefs),
-                                            [1.0, 1.0, 1.0], d // 16, True)
-        dq, dk, dv = dq * scale, dk * scale, dv[..., :d] * scale
+        qmax = torch.linalg.vector_norm(qc[..., :d], float("inf"), dtype=torch.float32)
+        cmax = (abs(cr[2]) * qmax).clamp_min(max(1.0, abs(cr[0]), abs(cr[1]))).reshape(1)
+        g, gscale = ops.lin_g(dout, out, inv_l, mu.repeat_interleave(group, dim=1).contiguous(), cmax, shift_q)
+        _, dq = ops.linear(kc, vs, qc, g, 1, group, causal, False, second, [1.0, 1.0, 1.0], cr, 0, True)
+        dv, dk = ops.linear(qc, g, kc, vs, group, 1, causal, True, second, cr, [1.0, 1.0, 1.0], d // 16, True)
+        diag = (None, None, None)
         if causal:
-            qi, ki, vi = _diagonal(qc, kc, vc)
-            dqi, dki, dvi, _ = torch.ops.attn_cuda.bwd(
-                dout.view(b * nc, h, n, d), qi, ki, vi, keep_c, None, out.view(b * nc, h, n, d),
-                inv_l.view(b * nc, h, n).contiguous(), inv_l.new_empty(0), inv_l.new_empty(0), True, "poly", 1.0,
-                None, *coefs, True, False)
-            dq = dq + dqi.float().view(dq.shape)
-            dk = dk + dki.float().view(dk.shape)
-            dv = dv + dvi.float().view(dv.shape)
-        pad = (0, 16)
-        return (torch.nn.functional.pad(dq, pad).to(qc.dtype), torch.nn.functional.pad(dk, pad).to(kc.dtype),
-                torch.nn.functional.pad(dv, pad).to(vc.dtype), None, None, None)
+            rows = (b * n_pad // LINEAR_CHUNK, h, LINEAR_CHUNK, d)
+            dout_c, out_c = (ops.lin_rows(x, None, None, shift_q, n_pad, d).view(rows) for x in (dout, out))
+            diag = ops.bwd(dout_c, *_diagonal(qc, kc, vc), keep_c, None, out_c, inv_l.view(rows[:3]),
+                           inv_l.new_empty(0), inv_l.new_empty(0), True, "poly", scale, None, *coefs, True,
+                           False)[:3]
+        return (ops.lin_grad(dq, gscale, diag[0], None, shift_q, i, d, out.dtype),
+                ops.lin_grad(dk, gscale, diag[1], None, shift_k, j, d, out.dtype),
+                ops.lin_grad(dv, gscale, diag[2], mask, shift_k, j, d, out.dtype), *([None] * 6))
 
 
 def _diagonal(qc, kc, vc):
@@ -328,6 +300,25 @@ def _register_fakes() -> None:
         f32 = dict(dtype=torch.float32, device=rx.device)
         return (torch.empty(rx.shape if r1_tiles > 0 else (0,), **f32),
                 torch.empty((*rx.shape[:-1], rx.shape[-1] - 16) if want_r2 else (0,), **f32))
+
+    @torch.library.register_fake("attn_cuda::lin_rows")
+    def _lin_rows(x, mask, mu, shift, n_pad, width):
+        b, h = x.shape[:2]
+        return x.new_empty((b, n_pad // LINEAR_CHUNK, h, LINEAR_CHUNK, width))
+
+    @torch.library.register_fake("attn_cuda::lin_out")
+    def _lin_out(y, o, stat, shift, n, dtype):
+        b, chunks, h, rows, dp = y.shape
+        return y.new_empty((b, h, n, dp - 16), dtype=dtype), y.new_empty((b, chunks, h, rows))
+
+    @torch.library.register_fake("attn_cuda::lin_g")
+    def _lin_g(dout, out, inv_l, mu, cmax, shift):
+        b, h, _, d = dout.shape
+        return dout.new_empty((*inv_l.shape, d + 16)), inv_l.new_empty((1,))
+
+    @torch.library.register_fake("attn_cuda::lin_grad")
+    def _lin_grad(acc, scale, diag, mask, shift, n, dim, dtype):
+        return acc.new_empty((acc.shape[0], acc.shape[2], n, dim), dtype=dtype)
 
     @torch.library.register_fake("attn_cuda::bwd")
     def _bwd(dout, q, k, v, mask, bias, out, stat, rq, rk, causal, kind, scale, qk_norm, a0, a1, a2,

@@ -290,6 +290,116 @@ std::tuple<Tensor, Tensor> attn_linear(const Tensor& ux, const Tensor& uw, const
   return {r1, r2};
 }
 
+// The linear form's row passes (aux.cu): natural (B, H, n, D) rows <-> chunk-major (B, chunks, H,
+// kLinChunk, W) ones, chunk row t = natural row t - shift.
+attn::Dtype lin_dtype(at::ScalarType t) {
+  attn::Dtype d;
+  TORCH_CHECK((t == at::kHalf || t == at::kBFloat16) && kernel_dtype(t, &d),
+              "attn_cuda: the linear form takes float16 and bfloat16, got ", t);
+  return d;
+}
+
+void check_chunk_major(const Tensor& t, int64_t b, int64_t h, int64_t w, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.is_contiguous() && t.dim() == 5 && t.size(0) == b && t.size(2) == h &&
+                  t.size(3) == attn::kLinChunk && t.size(4) == w,
+              "attn_cuda: ", name, ": expected a contiguous chunk-major (", b, ", chunks, ", h, ", ",
+              attn::kLinChunk, ", ", w, ") CUDA tensor, got ", t.sizes());
+}
+
+Tensor attn_lin_rows(const Tensor& x, const optional<Tensor>& mask, const optional<Tensor>& mu, int64_t shift,
+                     int64_t n_pad, int64_t width) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 4, "attn_cuda: lin_rows: x must be a (B, H, N, D) CUDA tensor");
+  const int64_t B = x.size(0), H = x.size(1), N = x.size(2), D = x.size(3);
+  TORCH_CHECK(N > 0 && n_pad % attn::kLinChunk == 0 && (width == D || width == D + 16) && D % 2 == 0,
+              "attn_cuda: lin_rows: bad shape or width");
+  bool pairs = x.stride(3) == 1 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0;
+  for (int d = 0; d < 3; ++d) pairs = pairs && x.stride(d) % 2 == 0;
+  const Tensor xs = pairs ? x : x.contiguous();
+  if (mask) TORCH_CHECK(mask->scalar_type() == at::kBool && mask->is_contiguous() && mask->sizes() == at::IntArrayRef({B, N}),
+                        "attn_cuda: lin_rows: mask must be contiguous bool (B, N)");
+  if (mu) TORCH_CHECK(mu->scalar_type() == at::kFloat && mu->is_contiguous() && mu->sizes() == at::IntArrayRef({B, H, D}),
+                      "attn_cuda: lin_rows: mu must be contiguous fp32 (B, H, D)");
+  const c10::cuda::CUDAGuard guard(x.device());
+  Tensor dst = at::empty({B, n_pad / attn::kLinChunk, H, attn::kLinChunk, width}, x.options());
+  check_ok(attn::run_lin_rows(lin_dtype(x.scalar_type()), xs.data_ptr(), xs.stride(0), xs.stride(1), xs.stride(2),
+                              mask ? mask->data_ptr<bool>() : nullptr, mu ? mu->data_ptr<float>() : nullptr, B, H, N,
+                              D, width, n_pad, shift, dst.data_ptr(), c10::cuda::getCurrentCUDAStream()),
+           "lin_rows");
+  return dst;
+}
+
+std::tuple<Tensor, Tensor> attn_lin_out(const Tensor& y, const optional<Tensor>& o, const optional<Tensor>& stat,
+                                        int64_t shift, int64_t n, at::ScalarType dtype) {
+  TORCH_CHECK(y.dim() == 5 && y.scalar_type() == at::kFloat, "attn_cuda: lin_out: y must be fp32 chunk-major");
+  const int64_t B = y.size(0), chunks = y.size(1), H = y.size(2), D = y.size(4) - 16, n_pad = chunks * attn::kLinChunk;
+  check_chunk_major(y, B, H, D + 16, "lin_out y");
+  TORCH_CHECK(o.has_value() == stat.has_value(), "attn_cuda: lin_out: o and stat come together");
+  if (o) {
+    TORCH_CHECK(o->is_contiguous() && o->scalar_type() == dtype && o->numel() == B * n_pad * H * D &&
+                    stat->is_contiguous() && stat->scalar_type() == at::kFloat && stat->numel() == B * n_pad * H,
+                "attn_cuda: lin_out: o (B * chunks, H, ", attn::kLinChunk, ", D) and stat (B * chunks, H, ",
+                attn::kLinChunk, ") contiguous");
+  }
+  const c10::cuda::CUDAGuard guard(y.device());
+  Tensor out = at::empty({B, H, n, D}, y.options().dtype(dtype));
+  Tensor inv_l = at::empty({B, chunks, H, attn::kLinChunk}, y.options());
+  check_ok(attn::run_lin_out(lin_dtype(dtype), y.data_ptr<float>(), o ? o->data_ptr() : nullptr,
+                             stat ? stat->data_ptr<float>() : nullptr, B, H, n, D, n_pad, shift, out.data_ptr(),
+                             inv_l.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()),
+           "lin_out");
+  return {out, inv_l};
+}
+
+std::tuple<Tensor, Tensor> attn_lin_g(const Tensor& dout, const Tensor& out, const Tensor& inv_l, const Tensor& mu,
+                                      const Tensor& cmax, int64_t shift) {
+  TORCH_CHECK(dout.dim() == 4 && dout.sizes() == out.sizes() && dout.scalar_type() == out.scalar_type(),
+              "attn_cuda: lin_g: dout and out must be alike (B, H, n, D)");
+  const int64_t B = dout.size(0), H = dout.size(1), n = dout.size(2), D = dout.size(3);
+  TORCH_CHECK(inv_l.dim() == 4 && inv_l.is_contiguous() && inv_l.scalar_type() == at::kFloat && inv_l.size(0) == B &&
+                  inv_l.size(2) == H && inv_l.size(3) == attn::kLinChunk,
+              "attn_cuda: lin_g: inv_l must be fp32 (B, chunks, H, ", attn::kLinChunk, ")");
+  TORCH_CHECK(mu.scalar_type() == at::kFloat && mu.is_contiguous() && mu.sizes() == at::IntArrayRef({B, H, D}) &&
+                  cmax.scalar_type() == at::kFloat && cmax.numel() == 1,
+              "attn_cuda: lin_g: mu must be fp32 (B, H, D) and cmax one fp32");
+  const int64_t chunks = inv_l.size(1), n_pad = chunks * attn::kLinChunk;
+  const c10::cuda::CUDAGuard guard(dout.device());
+  const Tensor dO = dout.contiguous(), O = out.contiguous();
+  const auto f32 = inv_l.options();
+  Tensor delta = at::empty_like(inv_l), gmax = at::zeros({1}, f32.dtype(at::kInt)), scale = at::empty({1}, f32);
+  Tensor g = at::empty({B, chunks, H, attn::kLinChunk, D + 16}, dout.options());
+  check_ok(attn::run_lin_g(lin_dtype(dout.scalar_type()), dO.data_ptr(), O.data_ptr(), inv_l.data_ptr<float>(),
+                           mu.data_ptr<float>(), cmax.data_ptr<float>(), B, H, n, D, n_pad, shift,
+                           delta.data_ptr<float>(), reinterpret_cast<unsigned*>(gmax.data_ptr<int>()), g.data_ptr(),
+                           scale.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()),
+           "lin_g");
+  return {g, scale};
+}
+
+Tensor attn_lin_grad(const Tensor& acc, const Tensor& scale, const optional<Tensor>& diag,
+                     const optional<Tensor>& mask, int64_t shift, int64_t n, int64_t D, at::ScalarType dtype) {
+  TORCH_CHECK(acc.dim() == 5 && acc.scalar_type() == at::kFloat && acc.is_contiguous(),
+              "attn_cuda: lin_grad: acc must be contiguous fp32 chunk-major");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == 1, "attn_cuda: lin_grad: scale is one fp32");
+  const int64_t B = acc.size(0), chunks = acc.size(1), H = acc.size(2), W = acc.size(4);
+  const int64_t n_pad = chunks * attn::kLinChunk;
+  check_chunk_major(acc, B, H, W, "lin_grad acc");
+  if (diag)
+    TORCH_CHECK(diag->is_contiguous() && diag->scalar_type() == dtype && diag->numel() == B * n_pad * H * D,
+                "attn_cuda: lin_grad: diag must be contiguous (B * chunks, H, ", attn::kLinChunk, ", D)");
+  if (mask)
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->is_contiguous() && mask->sizes() == at::IntArrayRef({B, n}),
+                "attn_cuda: lin_grad: mask must be contiguous bool (B, n)");
+  TORCH_CHECK(D <= W && n + shift <= n_pad, "attn_cuda: lin_grad: rows or width out of range");
+  const c10::cuda::CUDAGuard guard(acc.device());
+  Tensor out = at::empty({B, H, n, D}, acc.options().dtype(dtype));
+  check_ok(attn::run_lin_grad(lin_dtype(dtype), acc.data_ptr<float>(), W, scale.data_ptr<float>(),
+                              diag ? diag->data_ptr() : nullptr, mask ? mask->data_ptr<bool>() : nullptr, B, H, n,
+                              D, n_pad, shift, out.data_ptr(),
+                              c10::cuda::getCurrentCUDAStream()),
+           "lin_grad");
+  return out;
+}
+
 std::vector<int64_t> head_dims(at::ScalarType dtype) {
   attn::Dtype d;
   return kernel_dtype(dtype, &d) ? attn::compiled_head_dims(d) : std::vector<int64_t>{};
@@ -308,6 +418,10 @@ TORCH_LIBRARY(attn_cuda, m) {
   m.def(
       "linear(Tensor ux, Tensor uw, Tensor rx, Tensor? rg, int upd_heads, int rd_heads, bool causal, bool reverse, "
       "bool second, float[] cu, float[] cr, int r1_tiles, bool want_r2) -> (Tensor, Tensor)");
+  m.def("lin_rows(Tensor x, Tensor? mask, Tensor? mu, int shift, int n_pad, int width) -> Tensor");
+  m.def("lin_out(Tensor y, Tensor? o, Tensor? stat, int shift, int n, ScalarType dtype) -> (Tensor, Tensor)");
+  m.def("lin_g(Tensor dout, Tensor out, Tensor inv_l, Tensor mu, Tensor cmax, int shift) -> (Tensor, Tensor)");
+  m.def("lin_grad(Tensor acc, Tensor scale, Tensor? diag, Tensor? mask, int shift, int n, int dim, ScalarType dtype) -> Tensor");
   m.def("head_dims(ScalarType dtype) -> int[]", &head_dims);
 }
 
@@ -315,4 +429,8 @@ TORCH_LIBRARY_IMPL(attn_cuda, CUDA, m) {
   m.impl("fwd", &attn_fwd);
   m.impl("bwd", &attn_bwd);
   m.impl("linear", &attn_linear);
+  m.impl("lin_rows", &attn_lin_rows);
+  m.impl("lin_out", &attn_lin_out);
+  m.impl("lin_g", &attn_lin_g);
+  m.impl("lin_grad", &attn_lin_grad);
 }

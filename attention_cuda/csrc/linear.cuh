@@ -36,8 +36,10 @@ template <class T, int D>
 struct LinConfig {
   static constexpr int kWarps = 8, kThreads = kWarps * 32, kL = kLinChunk;
   static constexpr int kJ = D / 16, kJ1 = kJ + 1, kDp = D + 16;  // second-order / first-order groups per row
-  // Second-order rows a warp keeps: its state and the state's B fragments, 12 registers per group.
-  static constexpr int kRows = D <= 32 ? 4 : D <= 64 ? 2 : 1;
+  // Second-order rows a warp keeps: its state and the state's B fragments, 12 registers per group. A
+  // whole number per warp, so every warp runs the same unrolled code (its rows' mma chains interleave).
+  static constexpr int kRows = D == 32 ? 4 : D <= 64 ? 2 : 1;
+  static_assert(D % (kWarps * kRows) == 0, "every part's warps own kRows rows each");
   static constexpr int kFirstGroups = (kJ1 + kWarps - 1) / kWarps;  // row -1's groups per warp
   static constexpr int kXPitch = kDp * 2 + 16, kWPitch = 16 * 2 + 16;  // padded tile rows (ldmatrix)
   // Two stages of (x, w) tiles; dq [kL][D] in fp32; each warp's row -1 groups as 16 x 16 tiles of T
@@ -49,7 +51,7 @@ struct LinConfig {
   static constexpr int kYFit = (227 * 1024 - kFixed) / (kWarps * kYTile * 4);
   static constexpr int kYTiles = kYFit >= 8 ? 8 : kYFit >= 4 ? 4 : 2;
   static constexpr int kBytes = kFixed + kYTiles * kWarps * kYTile * 4;
-  static int parts(bool second) { return second ? cdiv(D, kWarps * kRows) : 0; }
+  static int parts(bool second) { return second ? D / (kWarps * kRows) : 0; }
 };
 
 template <class T>
@@ -103,12 +105,11 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
   float* y_s = dq_s + kL * D + C::kWarps * C::kFirstGroups * C::kGroupTile / 4;  // R1 [kYTiles][kWarps][16][kYPitch]
   for (int i = threadIdx.x; i < kL * D; i += kThreads) dq_s[i] = 0.f;  // columns no warp here writes stay 0
 
-  // This warp's rows: a0 .. a0 + nrows (second order), and the columns of R2 this CTA writes.
-  int a0 = 0, nrows = 1, col0 = 0, col1 = D;
+  // This warp's rows: a0 .. a0 + kR (second order), and the columns of R2 this CTA writes.
+  int a0 = 0, col0 = 0, col1 = D;
   if constexpr (!kFirst) {
-    const int slots = p.parts * C::kWarps, s = part * C::kWarps + warp;
-    a0 = s * D / slots, nrows = (s + 1) * D / slots - a0;
-    col0 = (part * C::kWarps * D / slots) & ~1, col1 = min(D, (((part + 1) * C::kWarps * D / slots) + 1) & ~1);
+    a0 = (part * C::kWarps + warp) * kR;
+    col0 = part * C::kWarps * kR, col1 = col0 + C::kWarps * kR;
   }
   auto group = [&](int i) { return kFirst ? warp + i * C::kWarps : i; };
   auto has_group = [&](int i) { return !kFirst || group(i) < C::kJ1; };
@@ -130,7 +131,6 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
         if (has_group(i)) M::ldb2_t(bx[i][0], bx[i][1], x, ks * 16, group(i) * 16);
 #pragma unroll
       for (int r = 0; r < kR; ++r) {
-        if (r >= nrows) continue;
 #pragma unroll
         for (int i = 0; i < kG; ++i) {
           if (!has_group(i)) continue;
@@ -218,7 +218,6 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
       float y[2][4] = {};
 #pragma unroll
       for (int r = 0; r < kR; ++r) {
-        if (r >= nrows) continue;
         float z[2][4] = {};
 #pragma unroll
         for (int i = 0; i < kG; ++i) {
