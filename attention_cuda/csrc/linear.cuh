@@ -83,13 +83,14 @@ __device__ __forceinline__ uint32_t col_pair(Tile s, int row, int col, float c) 
 }
 
 // One CTA's sweep. kFirst: the CTA of row -1 (warp w owns its groups w, w + kWarps, ...); otherwise
-// the part's warps own second-order rows, spread evenly over all parts' warps.
-template <class T, int D, bool kFirst>
+// the part's warps own second-order rows, spread evenly over all parts' warps. kOwn >= 0: a sweep
+// without R2, by warps whose rows lie in feature group kOwn (see kOwn's use below).
+template <class T, int D, bool kFirst, int kOwn = -1>
 __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int part, int mt, int b, int hkv) {
   using C = LinConfig<T, D>;
   using M = Mma<T>;
   constexpr int kL = C::kL, kJ = C::kJ, kDp = C::kDp, kThreads = C::kThreads;
-  constexpr int kR = kFirst ? 1 : C::kRows, kG = kFirst ? C::kFirstGroups : kJ;
+  constexpr int kR = kFirst ? 1 : C::kRows, kG = kFirst ? C::kFirstGroups : kOwn < 0 ? kJ : kJ - kOwn;
   constexpr int kXBytes = (kFirst ? kDp : D) * 2;  // second-order rows read x's first D columns only
   const int warp = threadIdx.x / 32, lane = lane_id(), g = lane / 4, tq = lane % 4;
   // The outputs this m-tile's CTA adds to: R1 (columns of w) and R2.
@@ -111,10 +112,17 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
     a0 = (part * C::kWarps + warp) * kR;
     col0 = part * C::kWarps * kR, col1 = col0 + C::kWarps * kR;
   }
-  auto group = [&](int i) { return kFirst ? warp + i * C::kWarps : i; };
-  auto has_group = [&](int i) { return !kFirst || group(i) < C::kJ1; };
-  // The coefficient in c (cu or cr: c0, c1, c2) of group i's features.
-  auto coef = [&](const float* c, int i) { return kFirst ? (group(i) < kJ ? c[1] : c[0]) : c[2]; };
+  // Sweeps without R2 (the forward) keep the upper half of the symmetric second-order state: row a
+  // holds the feature groups from its own, kOwn = a / 16, on (slot i is group kOwn + i), and reads
+  // those after its own at twice the weight (they stand for the mirrored pairs too). R2 differentiates
+  // by every feature, so those sweeps keep whole rows. The group count is a template argument: with a
+  // runtime one the slots' mma chains were branches apart and the forward ran slower than whole rows.
+  auto group = [&](int i) { return kFirst ? warp + i * C::kWarps : (kOwn < 0 ? 0 : kOwn) + i; };
+  auto has_group = [&](int i) { return group(i) < (kFirst ? C::kJ1 : kJ); };
+  // The coefficient in c (cu or cr: c0, c1, c2) of slot i's features.
+  auto coef = [&](const float* c, int i) {
+    return kFirst ? (group(i) < kJ ? c[1] : c[0]) : kOwn >= 0 && i > 0 ? 2.f * c[2] : c[2];
+  };
 
   float acc[kR][kG][2][4] = {};     // [row][group][n8 half of the group's features][accumulator]
   uint32_t bs[kR][kG][2][2] = {};   // the same as B fragments of T: [row][group][n8 tile of w's columns]
@@ -159,7 +167,8 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
 #pragma unroll
       for (int i = 0; i < kG; ++i)
 #pragma unroll
-        for (int k = 0; k < 8; ++k) m = fmaxf(m, fabsf(coef(p.cr, i) * acc[r][i][k / 4][k % 4]));
+        for (int k = 0; k < 8; ++k)
+          if (has_group(i)) m = fmaxf(m, fabsf(coef(p.cr, i) * acc[r][i][k / 4][k % 4]));
 #pragma unroll
       for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
       int e;
@@ -167,6 +176,7 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
       inv[r] = ldexpf(1.f, e - 14);
 #pragma unroll
       for (int i = 0; i < kG; ++i) {
+        if (!has_group(i)) continue;
         const float s = ldexpf(coef(p.cr, i), 14 - e);
         const float(*a)[4] = acc[r][i];
 #pragma unroll
@@ -366,14 +376,28 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
   }
 }
 
+// The upper-half sweep of the warps whose rows lie in feature group `own` (a warp-uniform value).
+template <class T, int D, int kOwn = 0>
+__device__ __forceinline__ void half_sweep(const LinParams& p, char* smem, int own, int part, int mt, int b, int hkv) {
+  if constexpr (kOwn < LinConfig<T, D>::kJ) {
+    if (own == kOwn) {
+      linear_sweep<T, D, false, kOwn>(p, smem, part, mt, b, hkv);
+    } else {
+      half_sweep<T, D, kOwn + 1>(p, smem, own, part, mt, b, hkv);
+    }
+  }
+}
+
 template <class T, int D>
 __global__ void __launch_bounds__(LinConfig<T, D>::kThreads, 1) linear_kernel(const LinParams p) {
+  using C = LinConfig<T, D>;
   extern __shared__ __align__(16) char smem[];
-  constexpr int kJ1 = LinConfig<T, D>::kJ1;
-  const int part = blockIdx.x / kJ1, mt = blockIdx.x % kJ1;
+  const int part = blockIdx.x / C::kJ1, mt = blockIdx.x % C::kJ1;
   const int b = blockIdx.y / p.Hkv, hkv = blockIdx.y % p.Hkv;
   if (part == p.parts) {
     linear_sweep<T, D, true>(p, smem, part, mt, b, hkv);
+  } else if (p.r2 == nullptr) {
+    half_sweep<T, D>(p, smem, (part * C::kWarps + threadIdx.x / 32) * C::kRows / 16, part, mt, b, hkv);
   } else {
     linear_sweep<T, D, false>(p, smem, part, mt, b, hkv);
   }
