@@ -107,11 +107,9 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
   for (int i = threadIdx.x; i < kL * D; i += kThreads) dq_s[i] = 0.f;  // columns no warp here writes stay 0
 
   // This warp's rows: a0 .. a0 + kR (second order), and the columns of R2 this CTA writes.
-  int a0 = 0, col0 = 0, col1 = D;
-  if constexpr (!kFirst) {
-    a0 = (part * C::kWarps + warp) * kR;
-    col0 = part * C::kWarps * kR, col1 = col0 + C::kWarps * kR;
-  }
+  constexpr int kPairs = (kFirst ? D : C::kWarps * kR) / 2;  // column pairs of R2 from col0
+  int a0 = 0, col0 = 0;
+  if constexpr (!kFirst) a0 = (part * C::kWarps + warp) * kR, col0 = part * C::kWarps * kR;
   // Sweeps without R2 (the forward) keep the upper half of the symmetric second-order state: row a
   // holds the feature groups from its own, kOwn = a / 16, on (slot i is group kOwn + i), and reads
   // those after its own at twice the weight (they stand for the mirrored pairs too). R2 differentiates
@@ -312,34 +310,32 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
   // The sweep as a list of phases (read or update of one chunk and head), each one's tiles loaded
   // while the one before computes.
   struct Phase {
-    int chunk, head;
+    int step, head;
     bool read;
   };
-  auto phase = [&](int i) {
-    Phase f;
-    int step;
+  // The phase after f, by counting (no division on the way): causal, each step's reads and then its
+  // updates; otherwise every step's updates, then every step's reads.
+  auto next = [&](Phase f) {
+    if (++f.head < (f.read ? n_rd : p.upd_heads)) return f;
+    f.head = 0;
     if (p.causal) {
-      step = i / per_chunk;
-      const int k = i % per_chunk;
-      f.read = k < n_rd, f.head = f.read ? k : k - n_rd;
-    } else if (i < p.chunks * p.upd_heads) {
-      step = i / p.upd_heads, f.head = i % p.upd_heads, f.read = false;
-    } else {
-      const int j = i - p.chunks * p.upd_heads;
-      step = j / n_rd, f.head = j % n_rd, f.read = true;
+      f.step += !f.read, f.read = !f.read;
+    } else if (!f.read && ++f.step == p.chunks) {
+      f.step = 0, f.read = true;
+    } else if (f.read) {
+      ++f.step;
     }
-    f.chunk = p.reverse ? p.chunks - 1 - step : step;
     return f;
   };
   // Row index of row 0 of (chunk, head) in a chunk-major (B, chunks, heads, kL, ...) tensor.
   auto row_at = [&](const Phase& f) {
     const int heads = p.Hkv * (f.read ? p.rd_heads : p.upd_heads);
     const int h = hkv * (f.read ? p.rd_heads : p.upd_heads) + f.head;
-    return ((static_cast<int64_t>(b) * p.chunks + f.chunk) * heads + h) * kL;
+    const int chunk = p.reverse ? p.chunks - 1 - f.step : f.step;
+    return ((static_cast<int64_t>(b) * p.chunks + chunk) * heads + h) * kL;
   };
   // Every row is inside the tensor (chunks are whole), so nothing is zero-filled.
-  auto load = [&](int i) {
-    const Phase f = phase(i);
+  auto load = [&](const Phase& f, int i) {
     const int64_t at = row_at(f) * kDp;
     const T* x = static_cast<const T*>(f.read ? p.rx : p.ux) + at;
     cp_tile<kL, kXBytes, kThreads>(sX(i), reinterpret_cast<const char*>(x), kDp * 2, kL, x);
@@ -350,14 +346,14 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
   };
 
   const int phases = p.chunks * per_chunk;
-  load(0);
+  Phase f{0, 0, p.causal}, f_next = next(f);
+  load(f, 0);
   cp_async_commit();
-  for (int i = 0; i < phases; ++i) {
-    if (i + 1 < phases) load(i + 1);
+  for (int i = 0; i < phases; ++i, f = f_next, f_next = next(f_next)) {
+    if (i + 1 < phases) load(f_next, i + 1);
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
-    const Phase f = phase(i);
     if (!f.read) {
       update(sX(i), sW(i));
     } else {
@@ -365,9 +361,8 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
       read(sX(i), sW(i), row0);
       if (r2) {  // this chunk's dq share to global memory (fp32; every m-tile and part adds its own)
         __syncthreads();
-        const int half = (col1 - col0) / 2;
-        for (int k = threadIdx.x; k < kL * half; k += kThreads) {
-          const int t = k / half, c = col0 + (k % half) * 2;
+        for (int k = threadIdx.x; k < kL * kPairs; k += kThreads) {
+          const int t = k / kPairs, c = col0 + (k % kPairs) * 2;
           red_add2(p.r2 + (row0 + t) * D + c, dq_s[t * D + c], dq_s[t * D + c + 1]);
         }
       }
