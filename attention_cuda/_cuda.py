@@ -224,7 +224,9 @@ class _LinearAttention(torch.autograd.Function):
         hkv, j = k.shape[1], k.shape[2]
         n_pad = -(-max(i + shift_q, j + shift_k) // LINEAR_CHUNK) * LINEAR_CHUNK
         qc = ops.lin_rows(q, None, None, shift_q, n_pad, d + 16)
-        kc = ops.lin_rows(k, None, None, shift_k, n_pad, d + 16)
+        # Masked keys are zero rows in k too, not only in [v, 1]: the dk/dv sweep reads every key's
+        # features, and a zero row reads nothing (dv = 0 there, as the mask says).
+        kc = ops.lin_rows(k, mask, None, shift_k, n_pad, d + 16)
         vc = ops.lin_rows(v, mask, None, shift_k, n_pad, d + 16)
         cr = [coefs[0], coefs[1] * scale, coefs[2] * scale * scale]  # the query side's, temperature included
         y, _ = ops.linear(kc, vc, qc, None, 1, h // hkv, causal, False, coefs[2] != 0, [1.0, 1.0, 1.0], cr,
@@ -272,9 +274,9 @@ class _LinearAttention(torch.autograd.Function):
             diag = ops.bwd(dout_c, *_diagonal(qc, kc, vc), keep_c, None, out_c, inv_l.view(rows[:3]),
                            inv_l.new_empty(0), inv_l.new_empty(0), True, "poly", scale, None, *coefs, True,
                            False)[:3]
-        return (ops.lin_grad(dq, gscale, diag[0], None, shift_q, i, d, out.dtype),
-                ops.lin_grad(dk, gscale, diag[1], None, shift_k, j, d, out.dtype),
-                ops.lin_grad(dv, gscale, diag[2], mask, shift_k, j, d, out.dtype), *([None] * 6))
+        return (ops.lin_grad(dq, gscale, diag[0], shift_q, i, d, out.dtype),
+                ops.lin_grad(dk, gscale, diag[1], shift_k, j, d, out.dtype),
+                ops.lin_grad(dv, gscale, diag[2], shift_k, j, d, out.dtype), *([None] * 6))
 
 
 def _diagonal(qc, kc, vc):
@@ -317,7 +319,7 @@ def _register_fakes() -> None:
         return dout.new_empty((*inv_l.shape, d + 16)), inv_l.new_empty((1,))
 
     @torch.library.register_fake("attn_cuda::lin_grad")
-    def _lin_grad(acc, scale, diag, mask, shift, n, dim, dtype):
+    def _lin_grad(acc, scale, diag, shift, n, dim, dtype):
         return acc.new_empty((acc.shape[0], acc.shape[2], n, dim), dtype=dtype)
 
     @torch.library.register_fake("attn_cuda::bwd")

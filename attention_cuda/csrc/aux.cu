@@ -296,22 +296,16 @@ __global__ void lin_g_kernel(const T* dout, const float* inv_l, const float* del
 }
 
 // A gradient back in natural rows: acc (chunk-major fp32, rows W wide) times *scale, plus the diagonal
-// blocks' share (chunk-major, D wide) where there is one; 0 at rows the mask drops (dv: the sweep reads
-// every key's features, kept or not).
+// blocks' share (chunk-major, D wide) where there is one.
 template <class T>
-__global__ void lin_grad_kernel(const float* acc, int W, const float* scale, const T* diag, const bool* mask, int H,
-                                int n, int D, int n_pad, int shift, T* out) {
+__global__ void lin_grad_kernel(const float* acc, int W, const float* scale, const T* diag, int H, int n, int D,
+                                int n_pad, int shift, T* out) {
   const int bh = blockIdx.x, b = bh / H, h = bh % H, lane = threadIdx.x % 32;
   const float s = *scale;
   for_each_row_group(n, [&](int i0) {
     int64_t row[kRowsPerWarp];
-    float keep[kRowsPerWarp];
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      const int i = min(i0 + r, n - 1);
-      row[r] = chunk_row(b, h, H, n_pad, i + shift);
-      keep[r] = !mask || mask[static_cast<int64_t>(b) * n + i] ? s : 0.f;
-    }
+    for (int r = 0; r < kRowsPerWarp; ++r) row[r] = chunk_row(b, h, H, n_pad, min(i0 + r, n - 1) + shift);
     for (int d = 2 * lane; d < D; d += 64) {
       float2 a[kRowsPerWarp], c[kRowsPerWarp];
 #pragma unroll
@@ -322,8 +316,7 @@ __global__ void lin_grad_kernel(const float* acc, int W, const float* scale, con
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r)
         if (i0 + r < n)
-          stg_pair(out + (static_cast<int64_t>(bh) * n + i0 + r) * D + d, a[r].x * keep[r] + c[r].x,
-                   a[r].y * keep[r] + c[r].y);
+          stg_pair(out + (static_cast<int64_t>(bh) * n + i0 + r) * D + d, a[r].x * s + c[r].x, a[r].y * s + c[r].y);
     }
   });
 }
@@ -419,14 +412,13 @@ cudaError_t run_lin_g(Dtype dtype, const void* dout, const void* out, const floa
   });
 }
 
-cudaError_t run_lin_grad(Dtype dtype, const float* acc, int W, const float* scale, const void* diag,
-                         const bool* mask, int B, int H, int n, int D, int n_pad, int shift, void* out,
-                         cudaStream_t stream) {
+cudaError_t run_lin_grad(Dtype dtype, const float* acc, int W, const float* scale, const void* diag, int B, int H,
+                         int n, int D, int n_pad, int shift, void* out, cudaStream_t stream) {
   if (B * H == 0 || n == 0) return cudaSuccess;
   return by_half_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     lin_grad_kernel<T><<<row_grid(B * H, n), kWarps * 32, 0, stream>>>(
-        acc, W, scale, static_cast<const T*>(diag), mask, H, n, D, n_pad, shift, static_cast<T*>(out));
+        acc, W, scale, static_cast<const T*>(diag), H, n, D, n_pad, shift, static_cast<T*>(out));
     return cudaGetLastError();
   });
 }

@@ -375,8 +375,8 @@ std::tuple<Tensor, Tensor> attn_lin_g(const Tensor& dout, const Tensor& out, con
   return {g, scale};
 }
 
-Tensor attn_lin_grad(const Tensor& acc, const Tensor& scale, const optional<Tensor>& diag,
-                     const optional<Tensor>& mask, int64_t shift, int64_t n, int64_t D, at::ScalarType dtype) {
+Tensor attn_lin_grad(const Tensor& acc, const Tensor& scale, const optional<Tensor>& diag, int64_t shift, int64_t n,
+                     int64_t D, at::ScalarType dtype) {
   TORCH_CHECK(acc.dim() == 5 && acc.scalar_type() == at::kFloat && acc.is_contiguous(),
               "attn_cuda: lin_grad: acc must be contiguous fp32 chunk-major");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == 1, "attn_cuda: lin_grad: scale is one fp32");
@@ -386,15 +386,11 @@ Tensor attn_lin_grad(const Tensor& acc, const Tensor& scale, const optional<Tens
   if (diag)
     TORCH_CHECK(diag->is_contiguous() && diag->scalar_type() == dtype && diag->numel() == B * n_pad * H * D,
                 "attn_cuda: lin_grad: diag must be contiguous (B * chunks, H, ", attn::kLinChunk, ", D)");
-  if (mask)
-    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->is_contiguous() && mask->sizes() == at::IntArrayRef({B, n}),
-                "attn_cuda: lin_grad: mask must be contiguous bool (B, n)");
   TORCH_CHECK(D <= W && n + shift <= n_pad, "attn_cuda: lin_grad: rows or width out of range");
   const c10::cuda::CUDAGuard guard(acc.device());
   Tensor out = at::empty({B, H, n, D}, acc.options().dtype(dtype));
   check_ok(attn::run_lin_grad(lin_dtype(dtype), acc.data_ptr<float>(), W, scale.data_ptr<float>(),
-                              diag ? diag->data_ptr() : nullptr, mask ? mask->data_ptr<bool>() : nullptr, B, H, n,
-                              D, n_pad, shift, out.data_ptr(),
+                              diag ? diag->data_ptr() : nullptr, B, H, n, D, n_pad, shift, out.data_ptr(),
                               c10::cuda::getCurrentCUDAStream()),
            "lin_grad");
   return out;
@@ -421,7 +417,7 @@ TORCH_LIBRARY(attn_cuda, m) {
   m.def("lin_rows(Tensor x, Tensor? mask, Tensor? mu, int shift, int n_pad, int width) -> Tensor");
   m.def("lin_out(Tensor y, Tensor? o, Tensor? stat, int shift, int n, ScalarType dtype) -> (Tensor, Tensor)");
   m.def("lin_g(Tensor dout, Tensor out, Tensor inv_l, Tensor mu, Tensor cmax, int shift) -> (Tensor, Tensor)");
-  m.def("lin_grad(Tensor acc, Tensor scale, Tensor? diag, Tensor? mask, int shift, int n, int dim, ScalarType dtype) -> Tensor");
+  m.def("lin_grad(Tensor acc, Tensor scale, Tensor? diag, int shift, int n, int dim, ScalarType dtype) -> Tensor");
   m.def("head_dims(ScalarType dtype) -> int[]", &head_dims);
 }
 

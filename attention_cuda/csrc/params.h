@@ -113,10 +113,8 @@ cudaError_t run_lin_out(Dtype dtype, const float* y, const void* o, const float*
 cudaError_t run_lin_g(Dtype dtype, const void* dout, const void* out, const float* inv_l, const float* mu,
                       const float* cmax, int B, int H, int n, int D, int n_pad, int shift, float* delta,
                       unsigned* gmax, void* g, float* scale, cudaStream_t stream);
-// out = acc[:, :D] * *scale + diag (diag may be null), back to natural rows; acc's share is 0 at rows
-// that mask (B, n) drops.
-cudaError_t run_lin_grad(Dtype dtype, const float* acc, int W, const float* scale, const void* diag,
-                         const bool* mask, int B, int H, int n, int D, int n_pad, int shift, void* out,
-                         cudaStream_t stream);
+// out = acc[:, :D] * *scale + diag (diag may be null), back to natural rows.
+cudaError_t run_lin_grad(Dtype dtype, const float* acc, int W, const float* scale, const void* diag, int B, int H,
+                         int n, int D, int n_pad, int shift, void* out, cudaStream_t stream);
 
 }  // namespace attn
