@@ -146,6 +146,12 @@ __device__ __forceinline__ float warp_max(float x) {
   return x;
 }
 
+// Columns D .. D + 15 of a [x, c, 0 ... 0] row, from tail = the row + D: lanes 0 .. 7 write a pair each.
+template <class T>
+__device__ __forceinline__ void stg_tail(T* tail, int lane, float c) {
+  if (lane < 8) stg_pair(tail + 2 * lane, lane == 0 ? c : 0.f, 0.f);
+}
+
 // The power of two that the backward's g is divided by (linear_attention's backward says why): the
 // smallest 2^c >= gmax * cmax, over 2^14.
 __device__ __forceinline__ float g_scale(float gmax, float cmax) {
@@ -178,10 +184,10 @@ __global__ void lin_rows_kernel(const T* x, int64_t sb, int64_t sh, int64_t si, 
       for (int r = 0; r < kRowsPerWarp; ++r)
         if (t0 + r < n_pad) stg_pair(dst + row[r] + d, keep[r] ? v[r].x - m.x : 0.f, keep[r] ? v[r].y - m.y : 0.f);
     }
-    if (W > D && lane < 8) {  // [x, keep, 0 ... 0]: the 1 that carries the constant and first-order terms
+    if (W > D) {  // [x, keep, 0 ... 0]: the 1 that carries the constant and first-order terms
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r)
-        if (t0 + r < n_pad) stg_pair(dst + row[r] + D + 2 * lane, lane == 0 && keep[r] ? 1.f : 0.f, 0.f);
+        if (t0 + r < n_pad) stg_tail(dst + row[r] + D, lane, keep[r] ? 1.f : 0.f);
     }
   });
 }
@@ -287,11 +293,9 @@ __global__ void lin_g_kernel(const T* dout, const float* inv_l, const float* del
       for (int r = 0; r < kRowsPerWarp; ++r)
         if (t0 + r < n_pad) stg_pair(g + row[r] * Dp + d, a[r].x * c[r], a[r].y * c[r]);
     }
-    if (lane < 8) {
 #pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r)
-        if (t0 + r < n_pad) stg_pair(g + row[r] * Dp + D + 2 * lane, lane == 0 ? -delta[row[r]] * c[r] : 0.f, 0.f);
-    }
+    for (int r = 0; r < kRowsPerWarp; ++r)
+      if (t0 + r < n_pad) stg_tail(g + row[r] * Dp + D, lane, -delta[row[r]] * c[r]);
   });
 }
 
