@@ -14,10 +14,11 @@
 //
 // Work split: grid.x = (part, m-tile): an m-tile is 16 columns of w (or g); grid.y = (batch, kv head).
 // A part's warps each own a few whole second-order rows a (16 x D state, 8 floats per lane per
-// 16 x 16 group); the last part holds row -1, one group per warp. The state never leaves the
-// registers: the update accumulates into it with mma (M = w's 16 columns, N = the row's features,
-// K = the chunk's rows), and the read takes it straight back as the B operand (the m16n8 accumulator
-// layout is the k16n8 B layout, as P is in the forward kernels). Per chunk a warp loads its operand
+// 16 x 16 group). Row -1, one group per warp, has CTAs of its own, or at d32 rides in the one part's
+// (LinConfig::kFold). The state never leaves the registers: the update accumulates into it with mma
+// (M = w's 16 columns, N = the row's features, K = the chunk's rows), and the read takes it straight
+// back as the B operand (the m16n8 accumulator layout is the k16n8 B layout, as P is in the forward
+// kernels). Per chunk a warp loads its operand
 // fragments once for all its rows. Outputs are partial sums over m-tiles and rows: they meet in shared
 // memory, then in fp32 global memory with red.global.add.
 //
@@ -52,6 +53,10 @@ struct LinConfig {
   static constexpr int kYTiles = kYFit >= 8 ? 8 : kYFit >= 4 ? 4 : 2;
   static constexpr int kBytes = kFixed + kYTiles * kWarps * kYTile * 4;
   static int parts(bool second) { return second ? D / (kWarps * kRows) : 0; }
+  // Row -1 in the part's CTAs rather than CTAs of its own: d32 only, where one part holds every row
+  // and the fold made fwd+bwd 7% faster on the H200. It made d16 15% slower and d64's sweeps 10% slower
+  // at the training shape (bench/NOTES.md, run 12), so elsewhere the kernel does without its registers.
+  static constexpr bool kFold = D == 32;
 };
 
 template <class T>
@@ -82,52 +87,36 @@ __device__ __forceinline__ uint32_t col_pair(Tile s, int row, int col, float c) 
   return Elem<T>::pack(c * lds_scalar<T>(s, row, col), c * lds_scalar<T>(s, row + 1, col));
 }
 
-// One CTA's sweep. kFirst: the CTA of row -1 (warp w owns its groups w, w + kWarps, ...); otherwise
-// the part's warps own second-order rows, spread evenly over all parts' warps. kOwn >= 0: a sweep
-// without R2, by warps whose rows lie in feature group kOwn (see kOwn's use below).
-template <class T, int D, bool kFirst, int kOwn = -1>
-__device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int part, int mt, int b, int hkv) {
+// A warp's rows of one kind. kFirst: row -1, its feature groups warp, warp + kWarps, ... of x' (x
+// times c1, the constant times c0). Otherwise kRows second-order rows a0 .. from feature group kOwn on:
+// kOwn = -1 whole rows; kOwn >= 0 (sweeps without R2) the upper half of the symmetric state, row a
+// holding the groups from its own, a / 16, on and reading those after its own at twice the weight (they
+// stand for the mirrored pairs too). R2 differentiates by every feature, so those sweeps keep whole
+// rows. The group count is a template argument: with a runtime one the slots' mma chains were branches
+// apart and the forward ran slower than whole rows.
+template <class T, int D, bool kFirst, int kOwn>
+struct WarpRows {
   using C = LinConfig<T, D>;
   using M = Mma<T>;
-  constexpr int kL = C::kL, kJ = C::kJ, kDp = C::kDp, kThreads = C::kThreads;
-  constexpr int kR = kFirst ? 1 : C::kRows, kG = kFirst ? C::kFirstGroups : kOwn < 0 ? kJ : kJ - kOwn;
-  constexpr int kXBytes = (kFirst ? kDp : D) * 2;  // second-order rows read x's first D columns only
-  const int warp = threadIdx.x / 32, lane = lane_id(), g = lane / 4, tq = lane % 4;
-  // The outputs this m-tile's CTA adds to: R1 (columns of w) and R2.
-  const bool r1 = p.r1 != nullptr && mt < p.r1_tiles, r2 = p.r2 != nullptr;
-  const int n_rd = r1 || r2 ? p.rd_heads : 0, per_chunk = p.upd_heads + n_rd;
-  if (n_rd == 0) return;
-
-  const uint32_t base = smem_u32(smem);
-  auto sX = [&](int i) { return Tile{base + (i & 1) * C::kStage, C::kXPitch}; };  // phase i's stage
-  auto sW = [&](int i) { return Tile{base + (i & 1) * C::kStage + kL * C::kXPitch, C::kWPitch}; };
-  float* dq_s = reinterpret_cast<float*>(smem + 2 * C::kStage);  // R2 [kL][D]
-  const uint32_t s_first = smem_u32(dq_s + kL * D) + warp * C::kFirstGroups * C::kGroupTile;
-  float* y_s = dq_s + kL * D + C::kWarps * C::kFirstGroups * C::kGroupTile / 4;  // R1 [kYTiles][kWarps][16][kYPitch]
-  for (int i = threadIdx.x; i < kL * D; i += kThreads) dq_s[i] = 0.f;  // columns no warp here writes stay 0
-
-  // This warp's rows: a0 .. a0 + kR (second order), and the columns of R2 this CTA writes.
-  constexpr int kPairs = (kFirst ? D : C::kWarps * kR) / 2;  // column pairs of R2 from col0
-  int a0 = 0, col0 = 0;
-  if constexpr (!kFirst) a0 = (part * C::kWarps + warp) * kR, col0 = part * C::kWarps * kR;
-  // Sweeps without R2 (the forward) keep the upper half of the symmetric second-order state: row a
-  // holds the feature groups from its own, kOwn = a / 16, on (slot i is group kOwn + i), and reads
-  // those after its own at twice the weight (they stand for the mirrored pairs too). R2 differentiates
-  // by every feature, so those sweeps keep whole rows. The group count is a template argument: with a
-  // runtime one the slots' mma chains were branches apart and the forward ran slower than whole rows.
-  auto group = [&](int i) { return kFirst ? warp + i * C::kWarps : (kOwn < 0 ? 0 : kOwn) + i; };
-  auto has_group = [&](int i) { return group(i) < (kFirst ? C::kJ1 : kJ); };
-  // The coefficient in c (cu or cr: c0, c1, c2) of slot i's features.
-  auto coef = [&](const float* c, int i) {
-    return kFirst ? (group(i) < kJ ? c[1] : c[0]) : kOwn >= 0 && i > 0 ? 2.f * c[2] : c[2];
-  };
-
+  static constexpr int kL = C::kL, kJ = C::kJ;
+  static constexpr int kR = kFirst ? 1 : C::kRows, kG = kFirst ? C::kFirstGroups : kOwn < 0 ? kJ : kJ - kOwn;
+  int warp, a0;
   float acc[kR][kG][2][4] = {};     // [row][group][n8 half of the group's features][accumulator]
   uint32_t bs[kR][kG][2][2] = {};   // the same as B fragments of T: [row][group][n8 tile of w's columns]
   float inv[kR] = {};               // 1 / the row's power-of-two scale
 
-  // state += phi(x) w^T over the chunk's rows.
-  auto update = [&](Tile x, Tile w) {
+  __device__ int group(int i) const { return kFirst ? warp + i * C::kWarps : (kOwn < 0 ? 0 : kOwn) + i; }
+  __device__ bool has_group(int i) const { return group(i) < (kFirst ? C::kJ1 : kJ); }
+  // The coefficient in c (cu or cr: c0, c1, c2) of slot i's features.
+  __device__ float coef(const float* c, int i) const {
+    return kFirst ? (group(i) < kJ ? c[1] : c[0]) : kOwn >= 0 && i > 0 ? 2.f * c[2] : c[2];
+  }
+
+  // state += phi(x) w^T over the chunk's rows, then the read's B fragments: each row times its read
+  // coefficient and the power of two that puts its largest product at [2^13, 2^14), far from fp16's
+  // subnormals and its max.
+  __device__ void update(const LinParams& p, Tile x, Tile w) {
+    const int tq = lane_id() % 4;
 #pragma unroll
     for (int ks = 0; ks < kL / 16; ++ks) {
       uint32_t wa[4], bx[kG][2][2];
@@ -157,8 +146,6 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
         }
       }
     }
-    // The read's B fragments: each row times its read coefficient and the power of two that puts its
-    // largest product at [2^13, 2^14), far from fp16's subnormals and its max.
 #pragma unroll
     for (int r = 0; r < kR; ++r) {
       float m = 0.f;
@@ -184,38 +171,149 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
         }
       }
     }
-  };
+  }
 
-  // Outputs of the chunk's rows t from the current state: z_a[t][c] = sum_b x[t][b] S_a[b][c] per row,
-  // then R1: y[t][c] += x[t][a] z_a[t][c] (row -1: z), and R2: dq[t][a] = 2 sum_c g[t][c] z_a[t][c]
-  // (row -1: dq[t][b] = sum_c g[t][c] S[b][c], a product with S transposed, through shared memory).
-  // Each dq[t][a] has one writer in the CTA; y sums over all warps: each warp leaves its share of
-  // kYTiles m16 tiles of rows in its slots, and after one barrier the CTA adds them into r1 in global
-  // memory.
-  auto read = [&](Tile x, Tile w, int64_t row0) {
-    uint32_t bt[kG][2][2];
-    if (kFirst && r2) {
+  // Rows t0 .. t0 + 15 of the chunk read from the state: z_a[t][c] = sum_b x[t][b] S_a[b][c] per row,
+  // then R1: y[t][c] += x[t][a] z_a[t][c] (row -1: z), and R2 (second order): dq[t][a] (+)= 2 sum_c
+  // g[t][c] z_a[t][c], one writer per element in the CTA (kAdd: row -1's share is there already).
+  template <bool kAdd>
+  __device__ void read(Tile x, int t0, bool r1, const float (&gv)[2][4], float (&y)[2][4], float* dq_s) const {
+    const int lane = lane_id(), g = lane / 4, tq = lane % 4;
+    uint32_t xa[kG][4];
+#pragma unroll
+    for (int i = 0; i < kG; ++i)
+      if (has_group(i)) M::lda(xa[i], x, t0, group(i) * 16);
+#pragma unroll
+    for (int r = 0; r < kR; ++r) {
+      float z[2][4] = {};
 #pragma unroll
       for (int i = 0; i < kG; ++i) {
-        const Tile st{s_first + i * C::kGroupTile, C::kWPitch};
+        if (!has_group(i)) continue;
+        M::mma(z[0], xa[i], bs[r][i][0]);
+        M::mma(z[1], xa[i], bs[r][i][1]);
+      }
+      if constexpr (kFirst) {
 #pragma unroll
         for (int n = 0; n < 2; ++n)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) sts32(st.at(8 * n + g, (8 * h + 2 * tq) * 2), bs[0][i][n][h]);
-        __syncwarp();
-        M::ldb2_t(bt[i][0], bt[i][1], st, 0, 0);
+          for (int k = 0; k < 4; ++k) y[n][k] += inv[r] * z[n][k];
+      } else {
+        const int a = a0 + r;
+        if (r1) {
+          const float xt = inv[r] * lds_scalar<T>(x, t0 + g, a), xb = inv[r] * lds_scalar<T>(x, t0 + g + 8, a);
+#pragma unroll
+          for (int n = 0; n < 2; ++n) {
+            y[n][0] += xt * z[n][0], y[n][1] += xt * z[n][1];
+            y[n][2] += xb * z[n][2], y[n][3] += xb * z[n][3];
+          }
+        }
+        if (dq_s != nullptr) {
+          float top = 0.f, bot = 0.f;
+#pragma unroll
+          for (int n = 0; n < 2; ++n) {
+            top += gv[n][0] * z[n][0] + gv[n][1] * z[n][1];
+            bot += gv[n][2] * z[n][2] + gv[n][3] * z[n][3];
+          }
+#pragma unroll
+          for (int o = 1; o < 4; o *= 2) {
+            top += __shfl_xor_sync(0xffffffffu, top, o);
+            bot += __shfl_xor_sync(0xffffffffu, bot, o);
+          }
+          if (tq < 2) {
+            float& at = dq_s[(t0 + g + 8 * tq) * D + a];
+            const float v = 2.f * inv[r] * (tq == 0 ? top : bot);
+            at = kAdd ? at + v : v;
+          }
+        }
       }
+    }
+  }
+
+  // Row -1's R2, dq[t][b] = sum_c g[t][c] S[b][c] for the whole chunk: a product with S transposed,
+  // through this warp's shared tiles (s_first), stored before the second-order rows add theirs.
+  __device__ void read_first_r2(Tile w, uint32_t s_first, float* dq_s) const {
+    static_assert(kFirst, "row -1 only");
+    const int lane = lane_id(), g = lane / 4, tq = lane % 4;
+    uint32_t bt[kG][2][2];
+#pragma unroll
+    for (int i = 0; i < kG; ++i) {
+      const Tile st{s_first + i * C::kGroupTile, C::kWPitch};
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) sts32(st.at(8 * n + g, (8 * h + 2 * tq) * 2), bs[0][i][n][h]);
+      __syncwarp();
+      M::ldb2_t(bt[i][0], bt[i][1], st, 0, 0);
+    }
+#pragma unroll 1
+    for (int t0 = 0; t0 < kL; t0 += 16) {
+      uint32_t ga[4];
+      M::lda(ga, w, t0, 0);
+#pragma unroll
+      for (int i = 0; i < kG; ++i) {
+        if (group(i) >= kJ) continue;  // the constant feature has no gradient
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float d[4] = {};
+          M::mma(d, ga, bt[i][h]);
+          float* at = dq_s + (t0 + g) * D + group(i) * 16 + 8 * h + 2 * tq;
+          *reinterpret_cast<float2*>(at) = make_float2(inv[0] * d[0], inv[0] * d[1]);
+          *reinterpret_cast<float2*>(at + 8 * D) = make_float2(inv[0] * d[2], inv[0] * d[3]);
+        }
+      }
+    }
+  }
+};
+
+// One CTA's sweep over one m-tile (16 columns of w) and part. kSecond: the part's warps own kRows
+// second-order rows each (from group kOwn on: see WarpRows), spread evenly over all parts' warps;
+// kFirst: the warps hold row -1 (alone, or folded into the last part: run_linear says when).
+template <class T, int D, bool kSecond, bool kFirst, int kOwn = -1>
+__device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int part, int mt, int b, int hkv) {
+  using C = LinConfig<T, D>;
+  constexpr int kL = C::kL, kDp = C::kDp, kThreads = C::kThreads;
+  constexpr int kXBytes = (kFirst ? kDp : D) * 2;  // second-order rows read x's first D columns only
+  const int warp = threadIdx.x / 32, lane = lane_id(), g = lane / 4, tq = lane % 4;
+  // The outputs this m-tile's CTA adds to: R1 (columns of w) and R2.
+  const bool r1 = p.r1 != nullptr && mt < p.r1_tiles, r2 = p.r2 != nullptr;
+  const int n_rd = r1 || r2 ? p.rd_heads : 0, per_chunk = p.upd_heads + n_rd;
+  if (n_rd == 0) return;
+
+  const uint32_t base = smem_u32(smem);
+  auto sX = [&](int i) { return Tile{base + (i & 1) * C::kStage, C::kXPitch}; };  // phase i's stage
+  auto sW = [&](int i) { return Tile{base + (i & 1) * C::kStage + kL * C::kXPitch, C::kWPitch}; };
+  float* dq_s = reinterpret_cast<float*>(smem + 2 * C::kStage);  // R2 [kL][D]
+  const uint32_t s_first = smem_u32(dq_s + kL * D) + warp * C::kFirstGroups * C::kGroupTile;
+  float* y_s = dq_s + kL * D + C::kWarps * C::kFirstGroups * C::kGroupTile / 4;  // R1 [kYTiles][kWarps][16][kYPitch]
+  for (int i = threadIdx.x; i < kL * D; i += kThreads) dq_s[i] = 0.f;  // columns no warp here writes stay 0
+
+  WarpRows<T, D, false, kOwn> second;
+  WarpRows<T, D, true, -1> first;
+  second.warp = first.warp = warp;
+  second.a0 = (part * C::kWarps + warp) * C::kRows;
+  // The columns of R2 this CTA writes: its rows' (from col0), or all of them with row -1.
+  constexpr int kPairs = (kFirst ? D : C::kWarps * C::kRows) / 2;
+  const int col0 = kFirst ? 0 : part * C::kWarps * C::kRows;
+
+  auto update = [&](Tile x, Tile w) {
+    if constexpr (kSecond) second.update(p, x, w);
+    if constexpr (kFirst) first.update(p, x, w);
+  };
+
+  // The chunk's outputs from the current state. y sums over all warps: each warp leaves its share of
+  // kYTiles m16 tiles of rows in its slots, and after one barrier the CTA adds them into r1 in global
+  // memory. dq meets in dq_s, flushed by the caller.
+  auto read = [&](Tile x, Tile w, int64_t row0) {
+    if (kFirst && r2) {
+      first.read_first_r2(w, s_first, dq_s);
+      if constexpr (kSecond) __syncthreads();  // row -1's share first; the rows' add to it
     }
 #pragma unroll 1
     for (int t0 = 0; t0 < kL; t0 += 16) {
       const int m = t0 / 16;
       float* y_slot = y_s + (m % C::kYTiles) * C::kWarps * C::kYTile;
-      uint32_t xa[kG][4];
-#pragma unroll
-      for (int i = 0; i < kG; ++i)
-        if (has_group(i)) M::lda(xa[i], x, t0, group(i) * 16);
-      float gv[2][4];
-      if (!kFirst && r2) {
+      float gv[2][4] = {}, y[2][4] = {};
+      if (kSecond && r2) {
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
           const float2 top = lds_pair<T>(w.at(t0 + g, (8 * n + 2 * tq) * 2));
@@ -223,46 +321,9 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
           gv[n][0] = top.x, gv[n][1] = top.y, gv[n][2] = bot.x, gv[n][3] = bot.y;
         }
       }
-      float y[2][4] = {};
-#pragma unroll
-      for (int r = 0; r < kR; ++r) {
-        float z[2][4] = {};
-#pragma unroll
-        for (int i = 0; i < kG; ++i) {
-          if (!has_group(i)) continue;
-          M::mma(z[0], xa[i], bs[r][i][0]);
-          M::mma(z[1], xa[i], bs[r][i][1]);
-        }
-        if constexpr (kFirst) {
-#pragma unroll
-          for (int n = 0; n < 2; ++n)
-#pragma unroll
-            for (int k = 0; k < 4; ++k) y[n][k] += inv[r] * z[n][k];
-        } else {
-          const int a = a0 + r;
-          if (r1) {
-            const float xt = inv[r] * lds_scalar<T>(x, t0 + g, a), xb = inv[r] * lds_scalar<T>(x, t0 + g + 8, a);
-#pragma unroll
-            for (int n = 0; n < 2; ++n) {
-              y[n][0] += xt * z[n][0], y[n][1] += xt * z[n][1];
-              y[n][2] += xb * z[n][2], y[n][3] += xb * z[n][3];
-            }
-          }
-          if (r2) {
-            float top = 0.f, bot = 0.f;
-#pragma unroll
-            for (int n = 0; n < 2; ++n) {
-              top += gv[n][0] * z[n][0] + gv[n][1] * z[n][1];
-              bot += gv[n][2] * z[n][2] + gv[n][3] * z[n][3];
-            }
-#pragma unroll
-            for (int o = 1; o < 4; o *= 2) {
-              top += __shfl_xor_sync(0xffffffffu, top, o);
-              bot += __shfl_xor_sync(0xffffffffu, bot, o);
-            }
-            if (tq < 2) dq_s[(t0 + g + 8 * tq) * D + a] = 2.f * inv[r] * (tq == 0 ? top : bot);
-          }
-        }
+      if constexpr (kSecond) second.template read<kFirst>(x, t0, r1, gv, y, r2 ? dq_s : nullptr);
+      if constexpr (kFirst) {
+        if (r1) first.template read<false>(x, t0, r1, gv, y, nullptr);
       }
       if (r1) {
 #pragma unroll
@@ -270,22 +331,6 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
           float* at = y_slot + warp * C::kYTile + g * C::kYPitch + 8 * n + 2 * tq;
           *reinterpret_cast<float2*>(at) = make_float2(y[n][0], y[n][1]);
           *reinterpret_cast<float2*>(at + 8 * C::kYPitch) = make_float2(y[n][2], y[n][3]);
-        }
-      }
-      if (kFirst && r2) {
-        uint32_t ga[4];
-        M::lda(ga, w, t0, 0);
-#pragma unroll
-        for (int i = 0; i < kG; ++i) {
-          if (group(i) >= kJ) continue;  // the constant feature has no gradient
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            float d[4] = {};
-            M::mma(d, ga, bt[i][h]);
-            float* at = dq_s + (t0 + g) * D + group(i) * 16 + 8 * h + 2 * tq;
-            *reinterpret_cast<float2*>(at) = make_float2(inv[0] * d[0], inv[0] * d[1]);
-            *reinterpret_cast<float2*>(at + 8 * D) = make_float2(inv[0] * d[2], inv[0] * d[3]);
-          }
         }
       }
       if (r1 && m % C::kYTiles == C::kYTiles - 1) {
@@ -372,14 +417,24 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
 }
 
 // The upper-half sweep of the warps whose rows lie in feature group `own` (a warp-uniform value).
-template <class T, int D, int kOwn = 0>
+template <class T, int D, bool kFirst, int kOwn = 0>
 __device__ __forceinline__ void half_sweep(const LinParams& p, char* smem, int own, int part, int mt, int b, int hkv) {
   if constexpr (kOwn < LinConfig<T, D>::kJ) {
     if (own == kOwn) {
-      linear_sweep<T, D, false, kOwn>(p, smem, part, mt, b, hkv);
+      linear_sweep<T, D, true, kFirst, kOwn>(p, smem, part, mt, b, hkv);
     } else {
-      half_sweep<T, D, kOwn + 1>(p, smem, own, part, mt, b, hkv);
+      half_sweep<T, D, kFirst, kOwn + 1>(p, smem, own, part, mt, b, hkv);
     }
+  }
+}
+
+template <class T, int D, bool kFirst>
+__device__ __forceinline__ void second_order_sweep(const LinParams& p, char* smem, int part, int mt, int b, int hkv) {
+  using C = LinConfig<T, D>;
+  if (p.r2 == nullptr) {
+    half_sweep<T, D, kFirst>(p, smem, (part * C::kWarps + threadIdx.x / 32) * C::kRows / 16, part, mt, b, hkv);
+  } else {
+    linear_sweep<T, D, true, kFirst>(p, smem, part, mt, b, hkv);
   }
 }
 
@@ -389,12 +444,10 @@ __global__ void __launch_bounds__(LinConfig<T, D>::kThreads, 1) linear_kernel(co
   extern __shared__ __align__(16) char smem[];
   const int part = blockIdx.x / C::kJ1, mt = blockIdx.x % C::kJ1;
   const int b = blockIdx.y / p.Hkv, hkv = blockIdx.y % p.Hkv;
-  if (part == p.parts) {
-    linear_sweep<T, D, true>(p, smem, part, mt, b, hkv);
-  } else if (p.r2 == nullptr) {
-    half_sweep<T, D>(p, smem, (part * C::kWarps + threadIdx.x / 32) * C::kRows / 16, part, mt, b, hkv);
+  if (part == p.parts) {  // row -1 alone (p = 1, or not folded)
+    linear_sweep<T, D, false, true>(p, smem, part, mt, b, hkv);
   } else {
-    linear_sweep<T, D, false>(p, smem, part, mt, b, hkv);
+    second_order_sweep<T, D, C::kFold>(p, smem, part, mt, b, hkv);
   }
 }
 
@@ -403,8 +456,9 @@ cudaError_t run_linear(LinParams p, cudaStream_t stream) {
   using C = LinConfig<T, D>;
   p.parts = C::parts(p.second);
   if (int64_t{p.B} * p.Hkv > 65535) return cudaErrorInvalidConfiguration;
-  const int64_t blocks = static_cast<int64_t>(p.parts + 1) * C::kJ1 * p.B * p.Hkv;
-  return launch(linear_kernel<T, D>, dim3((p.parts + 1) * C::kJ1, p.B * p.Hkv), blocks, C::kThreads, C::kBytes, p,
+  const int parts = p.parts + (p.parts == 0 || !C::kFold);
+  const int64_t blocks = static_cast<int64_t>(parts) * C::kJ1 * p.B * p.Hkv;
+  return launch(linear_kernel<T, D>, dim3(parts * C::kJ1, p.B * p.Hkv), blocks, C::kThreads, C::kBytes, p,
                 stream);
 }
 
