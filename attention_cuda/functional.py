@@ -5,9 +5,8 @@ these functions. The references (reference.py) are plain differentiable PyTorch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 import torch
 

@@ -192,6 +192,19 @@ __global__ void lin_rows_kernel(const T* x, int64_t sb, int64_t sh, int64_t si, 
   });
 }
 
+// Pair d of the group's chunk rows of an fp32 sweep output (rows `pitch` wide) and of the diagonal
+// blocks' output (D wide; zeros where there is none), all loads issued before any is used.
+template <class T>
+__device__ __forceinline__ void load_sweep_diag(float2 (&acc)[kRowsPerWarp], float2 (&diag)[kRowsPerWarp],
+                                                const int64_t (&row)[kRowsPerWarp], const float* a, int pitch,
+                                                const T* o, int D, int d) {
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    acc[r] = *reinterpret_cast<const float2*>(a + row[r] * pitch + d);
+    diag[r] = o ? ldg_pair(o + row[r] * D + d) : float2{};
+  }
+}
+
 // out = (num + o l_d) / (l + l_d) from the sweep's y = [num, l] and the diagonal block's output o and
 // 1 / l_d (stat); 1 / the sum for every chunk row (the backward's), out for the rows that exist.
 template <class T>
@@ -212,11 +225,7 @@ __global__ void lin_out_kernel(const float* y, const T* o, const float* stat, in
     }
     for (int d = 2 * lane; d < D; d += 64) {
       float2 num[kRowsPerWarp], od[kRowsPerWarp];
-#pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) {
-        num[r] = *reinterpret_cast<const float2*>(y + row[r] * Dp + d);
-        od[r] = o ? ldg_pair(o + row[r] * D + d) : float2{};
-      }
+      load_sweep_diag(num, od, row, y, Dp, o, D, d);
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r) {
         const int i = t0 + r - shift;
@@ -312,11 +321,7 @@ __global__ void lin_grad_kernel(const float* acc, int W, const float* scale, con
     for (int r = 0; r < kRowsPerWarp; ++r) row[r] = chunk_row(b, h, H, n_pad, min(i0 + r, n - 1) + shift);
     for (int d = 2 * lane; d < D; d += 64) {
       float2 a[kRowsPerWarp], c[kRowsPerWarp];
-#pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) {
-        a[r] = *reinterpret_cast<const float2*>(acc + row[r] * W + d);
-        c[r] = diag ? ldg_pair(diag + row[r] * D + d) : float2{};
-      }
+      load_sweep_diag(a, c, row, acc, W, diag, D, d);
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r)
         if (i0 + r < n)

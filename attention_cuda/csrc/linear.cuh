@@ -267,7 +267,7 @@ struct WarpRows {
 
 // One CTA's sweep over one m-tile (16 columns of w) and part. kSecond: the part's warps own kRows
 // second-order rows each (from group kOwn on: see WarpRows), spread evenly over all parts' warps;
-// kFirst: the warps hold row -1 (alone, or folded into the last part: run_linear says when).
+// kFirst: the warps hold row -1 (alone, or folded into the last part where LinConfig::kFold says).
 template <class T, int D, bool kSecond, bool kFirst, int kOwn = -1>
 __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int part, int mt, int b, int hkv) {
   using C = LinConfig<T, D>;
