@@ -260,10 +260,11 @@ class _LinearAttention(torch.autograd.Function):
         vs = ops.lin_rows(v, mask, mu, shift_k, n_pad, d + 16)
         # g = dO / l shrinks with the sequence, and from a causal row with few keys to one with many by
         # orders of magnitude. The sweeps take it over a power of two (exact) that puts the largest
-        # product the reverse sweep rounds to the input dtype, g c q, near 2^14: the small rows' products
-        # stay above fp16's subnormals (2^-14, where digits are lost) and all below its max (65504).
+        # product the reverse sweep rounds to the input dtype, g q_a (or g itself), near 2^14: the small
+        # rows' products stay above fp16's subnormals (2^-14, where digits are lost) and all below its
+        # max (65504). The coefficients are applied later, in fp32.
         qmax = torch.linalg.vector_norm(qc[..., :d], float("inf"), dtype=torch.float32)
-        cmax = (abs(cr[2]) * qmax).clamp_min(max(1.0, abs(cr[0]), abs(cr[1]))).reshape(1)
+        cmax = qmax.clamp_min(1.0).reshape(1)
         g, gscale = ops.lin_g(dout, out, inv_l, mu.repeat_interleave(group, dim=1).contiguous(), cmax, shift_q)
         _, dq = ops.linear(kc, vs, qc, g, 1, group, causal, False, second, [1.0, 1.0, 1.0], cr, 0, True)
         dv, dk = ops.linear(qc, g, kc, vs, group, 1, causal, True, second, cr, [1.0, 1.0, 1.0], d // 16, True)
