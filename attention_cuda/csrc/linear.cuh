@@ -10,7 +10,10 @@
 //   dk, dv    state R = sum_t psi(q_t) g_t^T (reverse order), read R1 (dv) and R2 (dk, with g := w)
 // where psi carries the coefficients (c0, c1, c2) of the reading side and phi those of the update side
 // (`cr`, `cu`). Causal: the state read at chunk c holds exactly the chunks before c (after c, reversed);
-// the chunk's own block is the tiled quadratic kernel's job. Non-causal: every chunk, then every read.
+// the chunk's own block is the tiled quadratic kernel's job. Chunk c's read and its update are
+// independent (the update only publishes its state for the next chunk), so where shared memory holds
+// both their tiles twice they run as one phase (LinConfig::kFuse). Non-causal: every chunk, then
+// every read.
 //
 // Work split: grid.x = (part, m-tile): an m-tile is 16 columns of w (or g); grid.y = (batch, kv head).
 // A part's warps each own a few whole second-order rows a (16 x D state, 8 floats per lane per
@@ -18,8 +21,7 @@
 // (LinConfig::kFold). The state never leaves the registers: the update accumulates into it with mma
 // (M = w's 16 columns, N = the row's features, K = the chunk's rows), and the read takes it straight
 // back as the B operand (the m16n8 accumulator layout is the k16n8 B layout, as P is in the forward
-// kernels). Per chunk a warp loads its operand
-// fragments once for all its rows. Outputs are partial sums over m-tiles and rows: they meet in shared
+// kernels). Per chunk a warp loads its operand fragments once for all its rows. Outputs are partial sums over m-tiles and rows: they meet in shared
 // memory, then in fp32 global memory with red.global.add.
 //
 // Range: a row's state enters the tensor cores times both sides' coefficients (applied in fp32) and,
