@@ -21,8 +21,9 @@
 // (LinConfig::kFold). The state never leaves the registers: the update accumulates into it with mma
 // (M = w's 16 columns, N = the row's features, K = the chunk's rows), and the read takes it straight
 // back as the B operand (the m16n8 accumulator layout is the k16n8 B layout, as P is in the forward
-// kernels). Per chunk a warp loads its operand fragments once for all its rows. Outputs are partial sums over m-tiles and rows: they meet in shared
-// memory, then in fp32 global memory with red.global.add.
+// kernels). Per chunk a warp loads its operand fragments once for all its rows. Outputs are partial
+// sums over m-tiles and rows: they meet in shared memory, then in fp32 global memory with
+// red.global.add.
 //
 // Range: a row's state enters the tensor cores times both sides' coefficients (applied in fp32) and,
 // in fp16, a power of two taken from its own largest product, not from the number of rows it sums:
@@ -342,7 +343,9 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
 
   const uint32_t base = smem_u32(smem);
   // Phase i's stage: the read's (x, g) pair, then the update's (x, w) pair where phases are fused.
-  auto sX = [&](int i, bool upd) { return Tile{base + (i & 1) * C::kStage + (C::kFuse && upd) * C::kPair, C::kXPitch}; };
+  auto sX = [&](int i, bool upd) {
+    return Tile{base + (i & 1) * C::kStage + (C::kFuse && upd) * C::kPair, C::kXPitch};
+  };
   auto sW = [&](int i, bool upd) { return Tile{sX(i, upd).base + kL * C::kXPitch, C::kWPitch}; };
   constexpr int kDq = kL * C::kDqPitch;
   float* dq_s = reinterpret_cast<float*>(smem + 2 * C::kStage);  // R2 [kL][kDqPitch]
