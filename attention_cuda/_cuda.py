@@ -171,8 +171,8 @@ def linear_unsupported_reason(q) -> str | None:
 
 # Key counts from which the linear form's kernels beat the quadratic ones, per head dim: the smallest
 # measured power of two where they were faster (p = 2, causal forward + backward, bf16, b4 h8, H200;
-# bench/results_fastmax-linear.json, bench/runs/2026-11-21_s8_fastmax-crossover.json). Ties (within 2%:
-# d64 at 16384, d96 at 32768) stay quadratic, which needs a quarter of the memory. p = 1 is not measured.
+# bench/results_fastmax-linear.json, bench/runs/2026-11-21_s8_fastmax-crossover.json). Near-ties (within
+# 3%: d64 at 16384, d96 at 32768) stay quadratic, which needs a quarter of the memory. p = 1 is not measured.
 LINEAR_FROM_KEYS = {16: 8192, 32: 8192, 64: 32768, 96: 65536, 128: 65536}
 
 

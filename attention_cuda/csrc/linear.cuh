@@ -50,7 +50,9 @@ struct LinConfig {
   // Two stages of (x, w) tiles; dq [kL][D] in fp32; each warp's row -1 groups as 16 x 16 tiles of T
   // (R2 reads them transposed); every warp's y for kYTiles m16 tiles of rows (fp32 16 x 16, padded), as
   // many as fit. Shared-memory fp32 atomics are CAS loops on sm_90, so partial sums meet without them.
-  static constexpr int kYPitch = 16 + 4, kYTile = 16 * kYPitch, kGroupTile = 16 * kWPitch;
+  // Each flush of y costs two barriers: a pad of 2 floats (not 4) fits all 8 tiles of a chunk at d64,
+  // one flush per chunk (fwd+bwd -3% on the H200, bench/NOTES.md run 13).
+  static constexpr int kYPitch = 16 + 2, kYTile = 16 * kYPitch, kGroupTile = 16 * kWPitch;
   static constexpr int kPair = kL * kXPitch + kL * kWPitch;  // one (x, w) pair of tiles
   // dq's pitch: the R2 stores of a warp (16 rows x its kRows columns) fall in distinct banks or two.
   static constexpr int kDqPitch = D + 4;
