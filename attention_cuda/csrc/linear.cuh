@@ -47,11 +47,12 @@ struct LinConfig {
   static_assert(D % (kWarps * kRows) == 0, "every part's warps own kRows rows each");
   static constexpr int kFirstGroups = (kJ1 + kWarps - 1) / kWarps;  // row -1's groups per warp
   static constexpr int kXPitch = kDp * 2 + 16, kWPitch = 16 * 2 + 16;  // padded tile rows (ldmatrix)
-  // Two stages of (x, w) tiles; dq [kL][D] in fp32; each warp's row -1 groups as 16 x 16 tiles of T
+  // Two stages of (x, w) tiles; dq [kL][kDqPitch] in fp32; each warp's row -1 groups as 16 x 16 tiles of T
   // (R2 reads them transposed); every warp's y for kYTiles m16 tiles of rows (fp32 16 x 16, padded), as
   // many as fit. Shared-memory fp32 atomics are CAS loops on sm_90, so partial sums meet without them.
-  // Each flush of y costs two barriers: a pad of 2 floats (not 4) fits all 8 tiles of a chunk at d64,
-  // one flush per chunk (fwd+bwd -3% on the H200, bench/NOTES.md run 13).
+  // Each flush of y costs a barrier (two where the slots are reused within the chunk): a pad of 2
+  // floats (not 4) fits all 8 tiles of a chunk at d64, one flush per chunk (fwd+bwd -3% on the H200,
+  // bench/NOTES.md run 13).
   static constexpr int kYPitch = 16 + 2, kYTile = 16 * kYPitch, kGroupTile = 16 * kWPitch;
   static constexpr int kPair = kL * kXPitch + kL * kWPitch;  // one (x, w) pair of tiles
   // dq's pitch: the R2 stores of a warp (16 rows x its kRows columns) fall in distinct banks or two.
@@ -221,10 +222,10 @@ struct WarpRows {
 
   // Rows t0 .. t0 + 15 of the chunk read from the state: z_a[t][c] = sum_b x[t][b] S_a[b][c] per row
   // (every row's products first, so that they overlap), then R1: y[t][c] += x[t][a] z_a[t][c] (row -1:
-  // z), and R2 (second order, g the chunk's weight tile): dq[t][a] (+)= 2 sum_c g[t][c] z_a[t][c], one
-  // writer per element in the CTA (kAdd: row -1's share is there already).
+  // z), and R2 (second order, g the chunk's weight tile): dq[t][a] (+)= 2 sum_c g[t][c] z_a[t][c] into
+  // dq_s, one writer per element in the CTA (kAdd: row -1's share is there already).
   template <bool kAdd>
-  __device__ void read(Tile x, Tile g_tile, int t0, bool r1, float (&y)[2][4], float* dq_s) const {
+  __device__ void read(Tile x, Tile g_tile, int t0, bool r1, bool r2, float (&y)[2][4], float* dq_s) const {
     const int lane = lane_id(), g = lane / 4, tq = lane % 4;
     uint32_t xa[kG][4];
 #pragma unroll
@@ -260,7 +261,7 @@ struct WarpRows {
         }
       }
     }
-    if (dq_s != nullptr) {
+    if (r2) {
       float gv[2][4];
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
@@ -435,9 +436,9 @@ __device__ __forceinline__ void linear_sweep(const LinParams& p, char* smem, int
         const int t0 = m * 16;
         float* y_slot = y_s + (m % C::kYTiles) * C::kWarps * C::kYTile;
         float y[2][4] = {};
-        if constexpr (kSecond) second.template read<kFirst>(xr, gr, t0, r1, y, r2 ? dq_s : nullptr);
+        if constexpr (kSecond) second.template read<kFirst>(xr, gr, t0, r1, r2, y, dq_s);
         if constexpr (kFirst) {
-          if (r1) first.template read<false>(xr, gr, t0, r1, y, nullptr);
+          if (r1) first.template read<false>(xr, gr, t0, r1, false, y, dq_s);  // row -1's R2: read_first_r2
         }
         if (r1) {
 #pragma unroll
