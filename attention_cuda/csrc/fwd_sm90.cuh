@@ -1,91 +1,128 @@
-// Forward on Hopper (sm_90a): the mma.sync forward's structure (fwd.cuh) with both products on
-// warpgroup MMAs reading K and V straight from swizzled shared memory.
+// Forward on Hopper (sm_90a): the mma.sync forward's math (fwd.cuh: fwd_scores, the epilogue) on
+// warpgroup MMAs, fed by TMA and scheduled FlashAttention-3's way.
 //
-// One block per (batch, head, kRows query rows): kWG warpgroups of 64 rows each, each warp 16 of them,
-// so S = Q K^T (wgmma, Q and K both K-major in shared memory) lands in exactly the registers the
-// mma.sync kernel has it in (kMT = 1) and the per-element work is the same function (fwd_scores). The
-// weights go back as register A operands of O += P V (V read MN-major: keys are its rows). K/V tiles
-// stream through kStages cp.async stages, kStages - 2 tiles ahead of the math, loaded by all
-// threads, one barrier per tile. P V runs asynchronously: a warpgroup issues it and goes on to the
-// barrier, the next tile's loads and S = Q K^T; its wait for S also covers the P V before it. Tile
-// j + kStages - 2 reuses the stage of tile j - 2, whose P V every warpgroup has waited for before the
-// barrier of tile j. Other warpgroups' exps overlap one warpgroup's products. Row sums: FADDs of the
-// weights as rounded for P V (unpacked from the A operand registers), so the semantics are the
-// mma.sync kernel's. Under causal, a warpgroup skips the tiles its rows cannot see.
+// One block per (batch, head, kRows query rows) has a producer warpgroup and kWG consumer warpgroups
+// of 64 rows (3 at d64, 2 at d128). The producer (one thread, its warpgroup's registers handed over
+// with setmaxnreg) streams K/V tiles of 128 keys through kStages stages with TMA, each stage guarded
+// by full and empty mbarriers, so no consumer ever waits on a block-wide barrier. A consumer computes
+// S = Q K^T (wgmma, Q and K K-major in shared memory) into exactly the registers the mma.sync kernel
+// has it in, turns it into weights with the shared per-element code, and feeds them back as register A
+// operands of O += P V (V read MN-major). Overlaps keep the tensor cores busy through the exps:
+//   - the consumers take turns issuing their products (named barriers, round robin), so one's exps
+//     run while the others' matrix products do;
+//   - at d128, within a warpgroup, P V of tile j - 1 is issued right after S of tile j and runs while
+//     S_j's exps are computed; P_j is written into the A registers only once that P V has completed.
+//     (Three warpgroups at d64 lack the registers to hold P through the exps; they wait for both.)
 #pragma once
 #include "fwd.cuh"
 #include "wgmma.cuh"
 
 namespace attn {
 
-// Block shape: 3 warpgroups of 64 query rows, K/V tiles of 64 keys, bounded by registers (a warpgroup
-// holds S: kCols/2, O: D/2 and P: kCols/4 registers per thread, at most 65536 / (128 kWG)): 3 x 64 fits
-// d128 in 168 registers without spills. H200, bf16, b1 h32 N4096 d128: 370 TF (2 x 64: 353; 2 x 128:
-// 371 but spills; the mma.sync forward: 330). At d64 the mma.sync forward stays faster (300 vs 282 TF
-// at N8192, as long as the exps do not overlap the next tile's S), so this kernel covers d128 only.
 template <class T, int D>
 struct Sm90Fwd {
-  static constexpr bool kSupported = sizeof(T) == 2 && D == 128;
+  static constexpr bool kSupported = sizeof(T) == 2 && (D == 64 || D == 128);
   static cudaError_t run(const Params& p, Score score, cudaStream_t stream);  // the launch, after the kernel
-  static constexpr int kWG = 3, kCols = 64;
-  static constexpr int kThreads = kWG * 128, kRows = 64 * kWG;
-  static constexpr int kTileQ = kRows * D * static_cast<int>(sizeof(T));
-  static constexpr int kTileKV = kCols * D * static_cast<int>(sizeof(T));
-  // K/V stages: up to 4 (two tiles ahead) within the 227 KB of shared memory a block may have.
-  static constexpr int kMaxBytes = 227 * 1024, kStageBytes = 2 * kTileKV + kCols * 4;
-  static constexpr int kFit = (kMaxBytes - 1024 - kTileQ) / kStageBytes, kStages = kFit < 4 ? kFit : 4;
-  // Q | kStages x K | kStages x V | kStages x 1/|k|, every tile 1024-byte aligned (the swizzle
-  // pattern's period), plus the slack to align the dynamic shared memory's start.
+  // Consumer warpgroups: at d64 a warpgroup's exps take about as long as its products, so a third one
+  // keeps the tensor cores fed (H200, bf16, N16384: 423 vs 375 TF with two); d128 has registers for two.
+  static constexpr int kWG = D <= 64 ? 3 : 2, kCols = 128;  // keys per tile
+  static constexpr int kThreads = (kWG + 1) * 128, kRows = 64 * kWG;
+  // Registers per thread after setmaxnreg: the producer keeps 24, the consumers share the rest.
+  static constexpr int kProducerRegs = 24, kFree = (65536 / 128 - kProducerRegs) / kWG / 8 * 8;
+  static constexpr int kConsumerRegs = kFree < 240 ? kFree : 240;
+  static constexpr bool kOverlap = kWG == 2;  // P V of tile j - 1 runs through tile j's exps
+  static constexpr int kTileQ = kRows * D * 2, kTileKV = kCols * D * 2;
+  // Stages: as many as fit in the 227 KB a block may have, up to 3 (2 at d128).
+  static constexpr int kMaxBytes = 227 * 1024, kStageBytes = 2 * kTileKV + kCols * 4, kBarBytes = 256;
+  static constexpr int kFit = (kMaxBytes - 1024 - kBarBytes - kTileQ) / kStageBytes, kStages = kFit < 3 ? kFit : 3;
+  // Q | kStages x K | kStages x V | kStages x 1/|k| | mbarriers, every tile 1024-byte aligned (the
+  // swizzle pattern's period), plus the slack to align the dynamic shared memory's start.
   static constexpr int kQ = 0, kK = kTileQ, kV = kK + kStages * kTileKV, kRk = kV + kStages * kTileKV;
-  static constexpr int kBytes = kRk + kStages * kCols * 4 + 1024;
-  static_assert(!kSupported || (kTileQ % 1024 == 0 && kTileKV % 1024 == 0), "tiles keep the 1024-byte alignment");
-  static_assert(!kSupported || (kStages >= 3 && kBytes <= kMaxBytes), "shared memory");
-  static_assert(kCols == 64 || kCols == 128, "wgmma N and visible_cols' 32 bits");
+  static constexpr int kBar = kRk + kStages * kCols * 4, kBytes = kBar + kBarBytes + 1024;
+  static_assert(!kSupported || (kStages >= 2 && kBytes <= kMaxBytes), "shared memory");
+  static_assert((1 + 4 * 3) * 8 <= kBarBytes, "mbarriers");
+};
+
+// The kernel's parameter: the TMA descriptors must live in parameter (or constant) space.
+struct Sm90FwdArgs {
+  CUtensorMap q, k, v;
+  Params p;
 };
 
 template <class T, int D, class Policy>
-__global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1) fwd_sm90_kernel(const Params p) {
+__global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1)
+    fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = Sm90Fwd<T, D>;
   using M = Mma<T>;
-  constexpr int kThreads = C::kThreads, kBr = C::kRows, kBc = C::kCols, kStages = C::kStages;
-  constexpr int kLead = kStages - 2;  // tiles loaded ahead of the one being computed
-  constexpr int kKD = D / 16, kNC = kBc / 8, kND = D / 8;
-  static_assert(kLead >= 1, "at least one tile ahead");
+  const Params& p = args.p;
+  constexpr int kWG = C::kWG, kBr = C::kRows, kBc = C::kCols, kStages = C::kStages;
+  constexpr int kKD = D / 16, kNC = kBc / 8, kND = D / 8, kPanels = D / 32;
+  constexpr int kPair = 256;  // threads at a turn's named barrier: the waiting warpgroup and the one arriving
   extern __shared__ __align__(1024) char smem_raw[];
   const uint32_t raw = smem_u32(smem_raw), s0 = (raw + 1023) & ~1023u;
   const float* s_rk = reinterpret_cast<const float*>(smem_raw + (s0 - raw) + C::kRk);
   const SwTile sQ{s0 + C::kQ, kBr};
-  auto k_tile = [&](int stage) { return SwTile{s0 + C::kK + stage * C::kTileKV, kBc}; };
-  auto v_tile = [&](int stage) { return SwTile{s0 + C::kV + stage * C::kTileKV, kBc}; };
+  auto k_tile = [&](int st) { return SwTile{s0 + C::kK + st * C::kTileKV, kBc}; };
+  auto v_tile = [&](int st) { return SwTile{s0 + C::kV + st * C::kTileKV, kBc}; };
+  // mbarriers: Q landed; per stage, K (with its keys' 1/|k|) and V landed, and K and V free again.
+  const uint32_t q_full = s0 + C::kBar;
+  auto k_full = [&](int st) { return q_full + 8 * (1 + st); };
+  auto v_full = [&](int st) { return q_full + 8 * (1 + kStages + st); };
+  auto k_empty = [&](int st) { return q_full + 8 * (1 + 2 * kStages + st); };
+  auto v_empty = [&](int st) { return q_full + 8 * (1 + 3 * kStages + st); };
 
-  const FwdBlock<T, D, kBr, kBc, kThreads> blk(p);
+  const FwdBlock<T, D, kBr, kBc, 128 * kWG> blk(p);
   const int m0 = blk.m0, n_tiles = blk.n_tiles;
-  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, tq = threadIdx.x % 4;
-  const int wg = warp / 4, wrow = warp * 16;  // warpgroup wg: rows 64 wg ..; this warp: 16 of them
-  const int m0w = m0 + 64 * wg;               // the warpgroup's first row
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
+  if (threadIdx.x == 0) {
+    mbar_init(q_full, 1);
+    for (int st = 0; st < kStages; ++st) {
+      mbar_init(k_full(st), 1);
+      mbar_init(v_full(st), 1);
+      mbar_init(k_empty(st), 4 * kWG);  // one arrival per consumer warp
+      mbar_init(v_empty(st), 4 * kWG);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  if (wg == kWG) {  // the producer
+    setmaxnreg_dec<C::kProducerRegs>();
+    if (warp == 4 * kWG && lane == 0) {
+      const int b = blk.bh / p.H, h = blk.bh % p.H, hk = h / p.group;
+      auto load = [&](const CUtensorMap* map, const SwTile& dst, uint32_t bar, int row0, int head) {
+#pragma unroll
+        for (int c = 0; c < kPanels; ++c)
+          tma_load_4d(dst.base + c * dst.panel_bytes(), map, bar, 32 * c, row0, head, b);
+      };
+      mbar_expect_tx(q_full, C::kTileQ);
+      load(&args.q, sQ, q_full, m0, h);
+      for (int j = 0; j < n_tiles; ++j) {
+        const int st = j % kStages, n0 = j * kBc;
+        if (j >= kStages) mbar_wait(k_empty(st), (j / kStages - 1) & 1);
+        const int rk_bytes = blk.rk ? min(kBc, p.j_pad - n0) * 4 : 0;
+        mbar_expect_tx(k_full(st), C::kTileKV + rk_bytes);
+        load(&args.k, k_tile(st), k_full(st), n0, hk);
+        if (rk_bytes) bulk_load(s0 + C::kRk + st * kBc * 4, blk.rk + n0, rk_bytes, k_full(st));
+        if (j >= kStages) mbar_wait(v_empty(st), (j / kStages - 1) & 1);
+        mbar_expect_tx(v_full(st), C::kTileKV);
+        load(&args.v, v_tile(st), v_full(st), n0, hk);
+      }
+    }
+    return;
+  }
+  setmaxnreg_inc<C::kConsumerRegs>();
+
+  const int g = lane / 4, tq = lane % 4, wrow = warp * 16;  // warpgroup wg: rows 64 wg ..; this warp: 16 of them
+  const int m0w = m0 + 64 * wg;                              // the warpgroup's first row
   // The keys this warpgroup's rows may see: the tiles from wg_end on are all hidden, skipped.
   const int wg_rows = min(64, p.I - m0w);
   const int wg_end = wg_rows <= 0 ? 0 : p.causal ? min(p.J, m0w + wg_rows + p.J - p.I) : p.J;
-
-  auto load_kv = [&](int tile) {
-    const int stage = tile % kStages;
-    blk.load_kv(tile, k_tile(stage), v_tile(stage), s0 + C::kRk + stage * kBc * 4);
-  };
-  blk.load_q(sQ);
-#pragma unroll
-  for (int t = 0; t < kLead; ++t) {
-    if (t < n_tiles) load_kv(t);
-    cp_async_commit();
-  }
-
-  // The last visible key of this thread's rows wrow + g + 8 hf, and their alpha/|q| once the Q tile (in
-  // the first group of loads) has landed.
   int last[1][2];
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) last[0][hf] = last_key(p, m0 + wrow + g + 8 * hf);
-  cp_async_wait<kLead - 1>();
-  __syncthreads();
+  mbar_wait(q_full, 0);
   float rs[1][2];
   blk.row_scales(sQ, rs, wrow);
 
@@ -94,37 +131,52 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1) fwd_sm90_kernel(co
   float l[1][4] = {};  // this thread's share of the row sums: rows g and g + 8 in elements 0 and 2
   float mx[1][2] = {{-INFINITY, -INFINITY}};  // running row max (kRowMax only)
   float s[1][kNC][4];
-  uint32_t pa[kNC / 2][M::kA];  // P as A operands; read by the P V wgmmas until the next wait
+  uint32_t pa[kNC / 2][M::kA];  // P as A operands, read by the P V wgmmas until they complete
 
-  for (int j = 0; j < n_tiles; ++j) {
-    // Tile j has landed for every thread and is visible to the async proxy; every warpgroup has
-    // waited for its P V of tile j - 2, whose stage the load of tile j + kLead reuses.
-    cp_async_wait<kLead - 1>();
-    fence_proxy_async();
-    __syncthreads();
-    if (j + kLead < n_tiles) load_kv(j + kLead);
-    cp_async_commit();
-    const int stage = j % kStages, n0 = j * kBc;
-    if (n0 >= wg_end) {  // nothing visible to this warpgroup's rows (causal: all later tiles too)
-      wgmma_wait<0>();
-      continue;
-    }
-
-    // S = Q K^T for the warpgroup's 64 rows x kBc keys; the wait also completes P V of tile j - 1.
+  // Turns on the tensor cores, round robin: warpgroup w issues after named barrier 1 + w, which
+  // warpgroup w - 1 arrives at once it has issued; the last warpgroup lets warpgroup 0 start, and skips
+  // its last arrival so that every barrier is completed as often as it is waited for. All take a turn
+  // for every tile of the block, also one their rows cannot see (causal: the first warpgroups may see
+  // one tile fewer).
+  auto begin_turn = [&](int j) {
+    mbar_wait(k_full(j % kStages), (j / kStages) & 1);
+    named_sync(1 + wg, kPair);
+  };
+  auto end_turn = [&](int j) {
+    if (!(wg == kWG - 1 && j == n_tiles - 1)) named_arrive(1 + (wg + 1) % kWG, kPair);
+  };
+  if (wg == kWG - 1 && n_tiles > 0) named_arrive(1, kPair);
+  auto release = [&](uint32_t bar) {  // one arrival per warp, once all its lanes are done with the stage
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar);
+  };
+  auto issue_s = [&](int j) {
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kKD; ++kk)
-      wgmma_ss<0, 0>(s[0], desc_k(sQ, 64 * wg, kk * 16, sizeof(T)), desc_k(k_tile(stage), 0, kk * 16, sizeof(T)),
+      wgmma_ss<0, 0>(s[0], desc_k(sQ, 64 * wg, kk * 16, sizeof(T)), desc_k(k_tile(j % kStages), 0, kk * 16, sizeof(T)),
                      kk > 0, T{});
     wgmma_commit();
-    wgmma_wait<0>();
+  };
+  auto issue_pv = [&](int j) {
+    const int st = j % kStages;
+    mbar_wait(v_full(st), (j / kStages) & 1);
+    wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < kNC / 2; ++kc) wgmma_rs<1>(o[0], pa[kc], desc_mn(v_tile(st), kc * 16, 0), 1, T{});
+    wgmma_commit();
+  };
+  // The weights of tile j, once S has landed; then K's stage (and its 1/|k|) is free.
+  auto scores = [&](int j) {
     fence_acc(s[0]);
-    fence_acc(o[0]);
-
-    fwd_scores<T, 64>(p, pol, s, o, l, mx, rs, last, blk.rk != nullptr, s_rk + stage * kBc, blk.bias, blk.mask,
-                      m0 + wrow, n0, m0w, g, tq);
-
-    // P as rounded to T, and its row sums from the very same values.
+    fwd_scores<T, 64>(p, pol, s, o, l, mx, rs, last, blk.rk != nullptr, s_rk + j % kStages * kBc, blk.bias, blk.mask,
+                      m0 + wrow, j * kBc, m0w, g, tq);
+    release(k_empty(j % kStages));
+  };
+  // P as rounded to T into the A registers, and its row sums from the very same values: every output
+  // row is exactly the convex combination of v that P V computed (the fp32 weights' sums would save an
+  // unpack per element, but a one-key row's gradient would no longer be exactly zero).
+  auto to_p = [&]() {
     float ls[2][2] = {};
 #pragma unroll
     for (int kc = 0; kc < kNC / 2; ++kc) {
@@ -137,18 +189,52 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1) fwd_sm90_kernel(co
     }
     l[0][0] += ls[0][0] + ls[0][1];
     l[0][2] += ls[1][0] + ls[1][1];
+  };
 
-    // O += P V, 16 keys per k-step; left running until the next tile's S is waited for.
-    wgmma_fence();
-#pragma unroll
-    for (int kc = 0; kc < kNC / 2; ++kc) wgmma_rs<1>(o[0], pa[kc], desc_mn(v_tile(stage), kc * 16, 0), 1, T{});
-    wgmma_commit();
+  // The tiles this warpgroup's rows see, 0 .. n_vis - 1; the steady state is peeled free of branches
+  // on whether a P V is in flight, so that no instruction touches O's registers while it is.
+  const int n_vis = wg_end > 0 ? min(n_tiles, cdiv(wg_end, kBc)) : 0;
+  int j = 0;
+  if (n_vis > 0) {
+    begin_turn(0);
+    issue_s(0);
+    end_turn(0);
+    wgmma_wait<0>();
+    scores(0);
+    to_p();
+    for (j = 1; j < n_vis; ++j) {
+      begin_turn(j);
+      issue_s(j);
+      issue_pv(j - 1);
+      end_turn(j);
+      // A running row max rescales O, and three warpgroups have no registers to keep P through the
+      // exps: both wait for P V as well.
+      if constexpr (Policy::kRowMax || !C::kOverlap) {
+        wgmma_wait<0>();
+        fence_acc(o[0]);
+      } else {
+        wgmma_wait<1>();  // S only (the older group); P V keeps running through the exps
+      }
+      scores(j);
+      wgmma_wait<0>();
+      fence_acc(o[0]);
+      release(v_empty((j - 1) % kStages));
+      to_p();
+    }
+    issue_pv(n_vis - 1);
+    wgmma_wait<0>();
+    fence_acc(o[0]);
+    release(v_empty((n_vis - 1) % kStages));
   }
-  wgmma_wait<0>();
-  fence_acc(o[0]);
+  for (; j < n_tiles; ++j) {  // tiles hidden from all of this warpgroup's rows
+    begin_turn(j);
+    end_turn(j);
+    release(k_empty(j % kStages));
+    release(v_empty(j % kStages));
+  }
   // The epilogue stages O in this warp's rows of the Q tile, which only this warpgroup's S read: they
   // are free once all four of its warps are past their last wait.
-  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+  named_sync(1 + kWG + wg, 128);
   float lsum[1][2];
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
@@ -160,13 +246,21 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1) fwd_sm90_kernel(co
 #endif
 }
 
-// One CTA per (query tile, batch, head).
+// One CTA per (query tile, batch, head); the mma.sync forward where TMA cannot describe q, k or v.
 template <class T, int D>
 cudaError_t Sm90Fwd<T, D>::run(const Params& p, Score score, cudaStream_t stream) {
   using C = Sm90Fwd<T, D>;
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  Sm90FwdArgs args;
+  args.p = p;
+  if (!make_tensor_map(&args.q, p.q, kBf16, D, p.I, p.H, p.B, p.q_si, p.q_sh, p.q_sb, C::kRows) ||
+      !make_tensor_map(&args.k, p.k, kBf16, D, p.J, p.Hkv, p.B, p.k_sj, p.k_sh, p.k_sb, C::kCols) ||
+      !make_tensor_map(&args.v, p.v, kBf16, D, p.J, p.Hkv, p.B, p.v_sj, p.v_sh, p.v_sb, C::kCols))
+    return run_fwd<T, D>(p, score, stream);
   const int64_t blocks = static_cast<int64_t>(cdiv(p.I, C::kRows)) * p.B * p.H;
   return with_policy(score, [&](auto policy) {
-    return launch(fwd_sm90_kernel<T, D, typename decltype(policy)::type>, blocks, C::kThreads, C::kBytes, p, stream);
+    return launch(fwd_sm90_kernel<T, D, typename decltype(policy)::type>, blocks, C::kThreads, C::kBytes, args,
+                  stream);
   });
 }
 

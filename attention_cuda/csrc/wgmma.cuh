@@ -13,6 +13,8 @@
 // m16k16 A fragment: so the per-element code of the mma.sync kernels runs unchanged on these
 // fragments, and c_to_a feeds P and dS back into the next product.
 #pragma once
+#include <cudaTypedefs.h>  // the driver's tensor-map types (the entry point is fetched at run time)
+
 #include "mma.cuh"
 
 namespace attn {
@@ -112,5 +114,91 @@ ATTN_WGMMA(64, __half, "f16", "32", "33", "34", "35", "36", "37", "38")
 ATTN_WGMMA(128, __nv_bfloat16, "bf16", "64", "65", "66", "67", "68", "69", "70")
 ATTN_WGMMA(128, __half, "f16", "64", "65", "66", "67", "68", "69", "70")
 #undef ATTN_WGMMA
+
+// ---------------------------------------------------------------------------------------------------
+// Asynchronous loads: TMA tensor copies and bulk copies complete on mbarriers (transaction counts),
+// which consumers wait on by phase parity; warpgroups hand the register file over with setmaxnreg and
+// take turns through named barriers.
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes initialised barriers visible to the async proxy (TMA's completions); a block barrier follows.
+__device__ __forceinline__ void mbar_fence_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Arrives and adds `bytes` to the transactions the current phase waits for.
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Blocks until the phase with this parity has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+  }
+}
+// One box of a 4-D tensor map at coordinates (c0 innermost .. c3) into shared memory at dst.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2,
+                                            int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+// `bytes` (a multiple of 16) from 16-byte aligned global memory into shared memory at dst.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, int bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Host: a 4-D tensor map over x (rows, heads, batch) of D-element rows, the head dim contiguous, with
+// element strides (si, sh, sb), read in boxes of 32 columns x box_rows rows, each landing as one panel
+// of the 64-byte swizzled layout above. False where TMA cannot describe the tensor (alignment,
+// strides), or the driver has no tensor maps: the caller keeps a kernel that loads without them.
+inline bool make_tensor_map(CUtensorMap* map, const void* x, bool bf16, int D, int rows, int heads, int batch,
+                            int64_t si, int64_t sh, int64_t sb, int box_rows) {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr) return false;
+  // A dimension of size 1 is never stepped over; its stride only has to pass the encoder's checks.
+  auto stride = [](int64_t s, int n) { return static_cast<cuuint64_t>(n == 1 ? 16 : s * 2); };
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(D), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {stride(si, rows), stride(sh, heads), stride(sb, batch)};
+  const cuuint32_t box[4] = {32, static_cast<cuuint32_t>(box_rows), 1, 1}, step[4] = {1, 1, 1, 1};
+  return encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                const_cast<void*>(x), dims, strides, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_64B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
 
 }  // namespace attn
