@@ -147,13 +147,14 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9,
 @pytest.mark.parametrize("portable", [True, False], ids=["mma_sync", "wgmma"])
 @pytest.mark.parametrize("family,flag", [(fam, flag) for fam in FAMILIES for flag in FLAGS
                                          if flag != "bias" or FAMILIES[fam][1]])
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda t: str(t).split(".")[-1])
-def test_both_kernel_paths_on_hopper(monkeypatch, dtype, family, flag, portable):
+def test_both_kernel_paths_on_hopper(monkeypatch, dtype, d, family, flag, portable):
     """On an H200 the grid above runs the wgmma kernels where they exist; here the mma.sync ones get the
-    same cases at the head dim both cover, plus a longer one with many key blocks and query steps."""
+    same cases at the head dims both cover, plus a longer one with many key blocks and query steps."""
     monkeypatch.setenv("ATTN_PORTABLE_KERNELS", "1" if portable else "0")
     shapes = [*SHAPES, (2, 4, 2, 700, 900)]
-    cases = [(*make_case(shape, 64, family, flag, seed=n), str(shape)) for n, shape in enumerate(shapes)]
+    cases = [(*make_case(shape, d, family, flag, seed=n), str(shape)) for n, shape in enumerate(shapes)]
     compare(cases, FAMILIES[family][0], dtype)
 
 

@@ -4,10 +4,12 @@
 // One block per (batch, kv head, 128 keys): two warpgroups of 64 keys, each warp 16 of them, so the
 // transposed scores S^T = K Q^T and dP^T = V dO^T land in exactly the registers the mma.sync kernel
 // has them in, and the per-element work (bwd_scores) and the dK/dV epilogue are the same functions.
-// Per step of 64 queries: S^T and dP^T (wgmma, both operands in shared memory), then P^T and dS~^T
-// in registers feed dV += P^T dO and dK += dS~^T Q as register A operands, while dS~^T goes to shared
-// memory for dQ = dS~ K in the next step (each warpgroup 32 of the head dim's columns, added to the
-// fp32 buffer with vector atomics). Loads are cp.async, double-buffered, one barrier per step.
+// Per step of 64 queries (32 at d128): S^T and dP^T (wgmma, both operands in shared memory), then P^T
+// and dS~^T in registers feed dV += P^T dO and dK += dS~^T Q as register A operands, while dS~^T goes
+// to shared memory for dQ = dS~ K in the next step (each warpgroup half of the head dim's columns,
+// added to the fp32 buffer with vector atomics). Loads are cp.async, double-buffered, one barrier per
+// step. (A producer warpgroup with TMA and mbarrier hand-offs between the warpgroups, as in the
+// forward, was slower here: branch next/bwd-ws, bench/NOTES.md run 14.)
 #pragma once
 #include "bwd.cuh"
 #include "wgmma.cuh"
@@ -16,9 +18,13 @@ namespace attn {
 
 template <class T, int D>
 struct Sm90Bwd {
-  static constexpr bool kSupported = sizeof(T) == 2 && D == 64;
+  static constexpr bool kSupported = sizeof(T) == 2 && (D == 64 || D == 128);
   static cudaError_t run(const Params& p, Score score, cudaStream_t stream);  // the launch, after the kernel
-  static constexpr int kWarps = 8, kCols = 128, kRows = 64;  // keys per block (64 per warpgroup), queries per step
+  // Keys per block (64 per warpgroup) and queries per step. At d128 a warpgroup's dK and dV take 128
+  // registers per thread, so steps are 32 queries and dQ is computed transposed (kDQt), dQ^T = K^T dS~^T:
+  // M = the warpgroup's 64 columns of the head dim, N = the step's 32 queries.
+  static constexpr int kWarps = 8, kCols = 128, kRows = D <= 64 ? 64 : 32;
+  static constexpr bool kDQt = D > 64;
   static constexpr int kTileK = kCols * D * sizeof(T), kTileQ = kRows * D * sizeof(T);
   static constexpr int kTileS = kCols * kRows * sizeof(T);
   // K | V | 2 x Q | 2 x dO | 2 x dS~^T | 2 x (stat, delta, 1/|q|), every tile 1024-byte aligned (the
@@ -34,7 +40,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
   using M = Mma<T>;
   constexpr int kThreads = C::kWarps * 32, kBc = C::kCols, kBr = C::kRows;
   constexpr int kKD = D / 16, kNQ = kBr / 8, kND = D / 8, kDQ = D / 2;  // kDQ: dQ columns per warpgroup
-  static_assert(kDQ == 32, "dQ's B operand is one 32-column panel of K");
+  static_assert(C::kDQt ? kBr == 32 : kDQ == 32, "dQ's N: one 32-column panel (of K, or of dS~^T)");
   extern __shared__ __align__(1024) char smem_raw[];
   const uint32_t raw = smem_u32(smem_raw), s0 = (raw + 1023) & ~1023u;
   const float* s_vec = reinterpret_cast<const float*>(smem_raw + (s0 - raw) + C::kVec);
@@ -58,19 +64,28 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
   cp_async_commit();
   const KeyRows keys(p, b, hk, mask, n0 + wkey + g);
 
-  // dQ += dS~ K for one step's 64 queries: A = dS~ read M-major from the dS~^T tile (keys as rows), B =
-  // this warpgroup's 32-column panel of K read N-major; the reduction runs over the block's 128 keys.
+  // dQ += dS~ K for one step's queries, the reduction over the block's 128 keys: A = dS~ read M-major
+  // from the dS~^T tile (keys as rows), B = this warpgroup's 32-column panel of K read N-major; or
+  // transposed, A = K^T (the warpgroup's 64 columns of K, read M-major) and B = dS~^T read N-major.
   // One wgmma group, issued ahead of the step's S^T and dP^T; dq_add adds the result once it is in.
-  float dqa[kDQ / 8][4];
+  float dqa[(C::kDQt ? kBr : kDQ) / 8][4];
   auto dq_issue = [&](int stage) {
 #pragma unroll
-    for (int kk = 0; kk < kBc / 16; ++kk)
-      wgmma_ss<1, 1>(dqa, desc_mn(ds_tile(stage), kk * 16, 0), desc_mn(sK, kk * 16, wg), kk > 0, T{});
+    for (int kk = 0; kk < kBc / 16; ++kk) {
+      if constexpr (C::kDQt)
+        wgmma_ss<1, 1>(dqa, desc_mn(sK, kk * 16, 2 * wg), desc_mn(ds_tile(stage), kk * 16, 0), kk > 0, T{});
+      else
+        wgmma_ss<1, 1>(dqa, desc_mn(ds_tile(stage), kk * 16, 0), desc_mn(sK, kk * 16, wg), kk > 0, T{});
+    }
     wgmma_commit();
   };
   auto dq_add = [&](Pos at) {
     fence_acc(dqa);
-    add_dq(p, p.dq_accum + static_cast<int64_t>(b * p.H + at.h) * p.I * D, dqa, at.m0 + warp % 4 * 16, D, wg * kDQ);
+    float* dq = p.dq_accum + static_cast<int64_t>(b * p.H + at.h) * p.I * D;
+    if constexpr (C::kDQt)
+      add_dq_t(p, dq, dqa, at.m0, D, wg * kDQ + warp % 4 * 16);
+    else
+      add_dq(p, dq, dqa, at.m0 + warp % 4 * 16, D, wg * kDQ);
   };
 
   const Policy pol(p);
