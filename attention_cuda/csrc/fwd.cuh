@@ -35,14 +35,15 @@ struct FwdSmem {  // Q tile | kStages x (K tile, V tile, 1/|k| of the tile's key
 
 // One warp's 16*kMT query rows x 8*kNC keys of a forward step, from S = Q K^T in the m16n8 accumulator
 // layout (rows row0 + 16 mt + g (+8), keys n0 + 8 nc + 2 tq (+1)): on return s holds the weights A(y)
-// (0 where hidden), and with a running row max, mx is updated and o, l are rescaled to it. rs = alpha/|q|
+// (0 where hidden), and with a running row max, mx is updated and o is rescaled to it (o's last tile
+// holds the row sums, P times a column of ones, so they are rescaled with it). rs = alpha/|q|
 // of the thread's rows, last = their last visible key, rk_tile = the tile's 1/|k| (read only with the qk
 // norm: has_rk), bias = this (batch, head)'s bias or null. The rows br0 .. br0 + kBr - 1 (the block's
 // or warpgroup's) decide whether the tile has an edge: cuts a sequence end, the causal diagonal or a key
 // mask (otherwise every pair is visible). Shared by the mma.sync and wgmma forwards.
 template <class T, int kBr, int kMT, int kNC, int kND, class Policy>
 __device__ __forceinline__ void fwd_scores(const Params& p, const Policy& pol, float (&s)[kMT][kNC][4],
-                                           float (&o)[kMT][kND][4], float (&l)[kMT][4], float (&mx)[kMT][2],
+                                           float (&o)[kMT][kND][4], float (&mx)[kMT][2],
                                            const float (&rs)[kMT][2], const int (&last)[kMT][2],
                                            bool has_rk, const float* rk_tile, const T* bias, const uint8_t* mask,
                                            int row0, int n0, int br0, int g, int tq) {
@@ -114,7 +115,6 @@ __device__ __forceinline__ void fwd_scores(const Params& p, const Policy& pol, f
           const float base = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet stays 0
           const float corr = ex2(mx[mt][hf] - base);
           mx[mt][hf] = m_new;
-          l[mt][2 * hf] *= corr;
 #pragma unroll
           for (int nd = 0; nd < kND; ++nd) o[mt][nd][2 * hf] *= corr, o[mt][nd][2 * hf + 1] *= corr;
 #pragma unroll
@@ -211,16 +211,17 @@ struct FwdBlock {
   }
 
   // O / l and the row statistic for the 16 kMT rows from wrow on, which only this warp reads in sQ (the
-  // Q tile, reused to stage O for 16-byte coalesced stores). lsum: each thread's rows' complete sums.
+  // Q tile, reused to stage O for 16-byte coalesced stores). o's tile D / 8 holds the rows' complete
+  // sums l (P times a column of ones: every column of the tile has them).
   template <class Policy, int kMT, class Tile_>
-  __device__ __forceinline__ void store(const Tile_& sq, const float (&o)[kMT][D / 8][4], const float (&lsum)[kMT][2],
+  __device__ __forceinline__ void store(const Tile_& sq, const float (&o)[kMT][D / 8 + 1][4],
                                         const float (&mx)[kMT][2], int wrow) const {
     const int lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const float l = lsum[mt][hf];
+        const float l = o[mt][D / 8][2 * hf];
         const float inv = !p.normalize ? 1.f : (l > 0.f ? 1.f / l : 0.f);
         const int r = wrow + mt * 16 + g + 8 * hf;
 #pragma unroll
@@ -293,8 +294,7 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kWarps * 32) fwd_kernel(const
   }
 
   const Policy pol(p);
-  float o[kMT][kND][4] = {};
-  float l[kMT][4] = {};  // row sums (P * ones): rows g and g+8 in elements 0 and 2
+  float o[kMT][kND + 1][4] = {};  // O, then the row sums (P * ones): rows g and g+8 in elements 0 and 2
   uint32_t ones[M::kB];
   M::ones_b(ones);
   float mx[kMT][2];  // running row max (kRowMax only)
@@ -334,7 +334,7 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kWarps * 32) fwd_kernel(const
       }
     }
 
-    fwd_scores<T, kBr>(p, pol, s, o, l, mx, rs, last, blk.rk != nullptr, s_rk + stage * kBc, blk.bias, blk.mask,
+    fwd_scores<T, kBr>(p, pol, s, o, mx, rs, last, blk.rk != nullptr, s_rk + stage * kBc, blk.bias, blk.mask,
                        m0 + wrow, n0, m0, g, tq);
 
     // O += P V and l += P 1, 16 keys (two accumulator tiles) per k-step.
@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kWarps * 32) fwd_kernel(const
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
         M::c_to_a(pa[mt], s[mt][2 * kc], s[mt][2 * kc + 1]);
-        M::mma(l[mt], pa[mt], ones);
+        M::mma(o[mt][kND], pa[mt], ones);
       }
 #pragma unroll
       for (int nd = 0; nd < kND; nd += 2) {
@@ -359,10 +359,7 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kWarps * 32) fwd_kernel(const
     }
   }
 
-  float lsum[kMT][2];
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) lsum[mt][0] = l[mt][0], lsum[mt][1] = l[mt][2];
-  blk.template store<Policy>(sQ, o, lsum, mx, wrow);
+  blk.template store<Policy>(sQ, o, mx, wrow);
 }
 
 // One CTA per (query tile, batch, head).

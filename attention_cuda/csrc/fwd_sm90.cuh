@@ -32,12 +32,15 @@ struct Sm90Fwd {
   static constexpr int kConsumerRegs = kFree < 240 ? kFree : 240;
   static constexpr bool kOverlap = kWG == 2;  // P V of tile j - 1 runs through tile j's exps
   static constexpr int kTileQ = kRows * D * 2, kTileKV = kCols * D * 2;
+  // Each V tile is followed by one panel of ones: P V reads it as 8 more columns (N = D + 8), whose
+  // accumulators are the row sums of P as rounded for the product, at no instruction cost per weight.
+  static constexpr int kTileV = kTileKV + kCols * 64;
   // Stages: as many as fit in the 227 KB a block may have, up to 3 (2 at d128).
-  static constexpr int kMaxBytes = 227 * 1024, kStageBytes = 2 * kTileKV + kCols * 4, kBarBytes = 256;
+  static constexpr int kMaxBytes = 227 * 1024, kStageBytes = kTileKV + kTileV + kCols * 4, kBarBytes = 256;
   static constexpr int kFit = (kMaxBytes - 1024 - kBarBytes - kTileQ) / kStageBytes, kStages = kFit < 3 ? kFit : 3;
-  // Q | kStages x K | kStages x V | kStages x 1/|k| | mbarriers, every tile 1024-byte aligned (the
-  // swizzle pattern's period), plus the slack to align the dynamic shared memory's start.
-  static constexpr int kQ = 0, kK = kTileQ, kV = kK + kStages * kTileKV, kRk = kV + kStages * kTileKV;
+  // Q | kStages x K | kStages x (V, ones) | kStages x 1/|k| | mbarriers, every tile 1024-byte aligned
+  // (the swizzle pattern's period), plus the slack to align the dynamic shared memory's start.
+  static constexpr int kQ = 0, kK = kTileQ, kV = kK + kStages * kTileKV, kRk = kV + kStages * kTileV;
   static constexpr int kBar = kRk + kStages * kCols * 4, kBytes = kBar + kBarBytes + 1024;
   static_assert(!kSupported || (kStages >= 2 && kBytes <= kMaxBytes), "shared memory");
   static_assert((1 + 4 * 3) * 8 <= kBarBytes, "mbarriers");
@@ -64,7 +67,7 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1)
   const float* s_rk = reinterpret_cast<const float*>(smem_raw + (s0 - raw) + C::kRk);
   const SwTile sQ{s0 + C::kQ, kBr};
   auto k_tile = [&](int st) { return SwTile{s0 + C::kK + st * C::kTileKV, kBc}; };
-  auto v_tile = [&](int st) { return SwTile{s0 + C::kV + st * C::kTileKV, kBc}; };
+  auto v_tile = [&](int st) { return SwTile{s0 + C::kV + st * C::kTileV, kBc}; };
   // mbarriers: Q landed; per stage, K (with its keys' 1/|k|) and V landed, and K and V free again.
   const uint32_t q_full = s0 + C::kBar;
   auto k_full = [&](int st) { return q_full + 8 * (1 + st); };
@@ -84,6 +87,12 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1)
       mbar_init(v_empty(st), 4 * kWG);
     }
     mbar_fence_init();
+  }
+  {  // the ones panels (whose swizzle is moot), made visible to the tensor cores' reads
+    const uint32_t one = Elem<T>::pack(1.f, 1.f);
+    for (int i = threadIdx.x; i < kStages * kBc * 16; i += blockDim.x)
+      sts32(v_tile(i / (kBc * 16)).base + kPanels * kBc * 64 + i % (kBc * 16) * 4, one);
+    fence_proxy_async();
   }
   __syncthreads();
 
@@ -127,8 +136,7 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1)
   blk.row_scales(sQ, rs, wrow);
 
   const Policy pol(p);
-  float o[1][kND][4] = {};
-  float l[1][4] = {};  // this thread's share of the row sums: rows g and g + 8 in elements 0 and 2
+  float o[1][kND + 1][4] = {};  // O, then the row sums: rows g and g + 8 in elements 0 and 2
   float mx[1][2] = {{-INFINITY, -INFINITY}};  // running row max (kRowMax only)
   float s[1][kNC][4];
   uint32_t pa[kNC / 2][M::kA];  // P as A operands, read by the P V wgmmas until they complete
@@ -169,27 +177,15 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1)
   // The weights of tile j, once S has landed; then K's stage (and its 1/|k|) is free.
   auto scores = [&](int j) {
     fence_acc(s[0]);
-    fwd_scores<T, 64>(p, pol, s, o, l, mx, rs, last, blk.rk != nullptr, s_rk + j % kStages * kBc, blk.bias, blk.mask,
+    fwd_scores<T, 64>(p, pol, s, o, mx, rs, last, blk.rk != nullptr, s_rk + j % kStages * kBc, blk.bias, blk.mask,
                       m0 + wrow, j * kBc, m0w, g, tq);
     release(k_empty(j % kStages));
   };
-  // P as rounded to T into the A registers, and its row sums from the very same values: every output
-  // row is exactly the convex combination of v that P V computed (the fp32 weights' sums would save an
-  // unpack per element, but a one-key row's gradient would no longer be exactly zero).
-  auto to_p = [&]() {
-    float ls[2][2] = {};
+  auto to_p = [&]() {  // P as rounded to T, into the A registers
 #pragma unroll
-    for (int kc = 0; kc < kNC / 2; ++kc) {
-      M::c_to_a(pa[kc], s[0][2 * kc], s[0][2 * kc + 1]);
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const float2 w = Elem<T>::unpack(pa[kc][r]);
-        ls[r & 1][r >> 1] += w.x + w.y;  // a[0], a[2]: row g; a[1], a[3]: row g + 8
-      }
-    }
-    l[0][0] += ls[0][0] + ls[0][1];
-    l[0][2] += ls[1][0] + ls[1][1];
+    for (int kc = 0; kc < kNC / 2; ++kc) M::c_to_a(pa[kc], s[0][2 * kc], s[0][2 * kc + 1]);
   };
+
 
   // The tiles this warpgroup's rows see, 0 .. n_vis - 1; the steady state is peeled free of branches
   // on whether a P V is in flight, so that no instruction touches O's registers while it is.
@@ -235,14 +231,7 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1)
   // The epilogue stages O in this warp's rows of the Q tile, which only this warpgroup's S read: they
   // are free once all four of its warps are past their last wait.
   named_sync(1 + kWG + wg, 128);
-  float lsum[1][2];
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    lsum[0][hf] = l[0][2 * hf];
-    lsum[0][hf] += __shfl_xor_sync(0xffffffffu, lsum[0][hf], 1);
-    lsum[0][hf] += __shfl_xor_sync(0xffffffffu, lsum[0][hf], 2);
-  }
-  blk.template store<Policy>(sQ, o, lsum, mx, wrow);
+  blk.template store<Policy>(sQ, o, mx, wrow);
 #endif
 }
 
