@@ -337,7 +337,7 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kWarps * 32) fwd_kernel(const
     fwd_scores<T, kBr>(p, pol, s, o, mx, rs, last, blk.rk != nullptr, s_rk + stage * kBc, blk.bias, blk.mask,
                        m0 + wrow, n0, m0, g, tq);
 
-    // O += P V and l += P 1, 16 keys (two accumulator tiles) per k-step.
+    // O += P V and its last tile += P 1 (the row sums), 16 keys (two accumulator tiles) per k-step.
 #pragma unroll
     for (int kc = 0; kc < kNC / 2; ++kc) {
       uint32_t pa[kMT][M::kA];
