@@ -43,7 +43,7 @@ struct Sm90Fwd {
   static constexpr int kQ = 0, kK = kTileQ, kV = kK + kStages * kTileKV, kRk = kV + kStages * kTileV;
   static constexpr int kBar = kRk + kStages * kCols * 4, kBytes = kBar + kBarBytes + 1024;
   static_assert(!kSupported || (kStages >= 2 && kBytes <= kMaxBytes), "shared memory");
-  static_assert((1 + 4 * 3) * 8 <= kBarBytes, "mbarriers");
+  static_assert((1 + 4 * kStages) * 8 <= kBarBytes, "mbarriers: Q, and full/empty for K and V per stage");
 };
 
 // The kernel's parameter: the TMA descriptors must live in parameter (or constant) space.
