@@ -59,14 +59,37 @@ __device__ __forceinline__ void fwd_scores(const Params& p, const Policy& pol, f
                     (p.causal && n0 + kBc - 1 > br0 + p.J - p.I);
 
   bool fused = false;
-  if constexpr (Policy::kExp && !Policy::kRowMax) {
-    if (!edge && !bias) {  // the common case, fused: A = exp2(s * scale - shift)
+  if constexpr (!Policy::kRowMax) {
+    if (!edge && !bias) {  // the common case, fused: no hidden pair, no bias
+      if constexpr (Policy::kExp) {  // A = exp2(s * scale - shift)
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
+        for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-        for (int nc = 0; nc < kNC; ++nc)
+          for (int nc = 0; nc < kNC; ++nc)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[mt][nc][e] = ex2(fmaf(s[mt][nc][e], scale_of(mt, nc, e), -pol.shift));
+            for (int e = 0; e < 4; ++e) s[mt][nc][e] = ex2(fmaf(s[mt][nc][e], scale_of(mt, nc, e), -pol.shift));
+      } else if (!has_rk) {
+        // The polynomial with one scale c per row: a0 + a1 (c s) + a2 (c s)^2 = a0 + s (a1 c + a2 c^2 s),
+        // two FMAs per score with the row's coefficients.
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          float b1[2], b2[2];
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) b1[hf] = pol.a1 * rs[mt][hf], b2[hf] = pol.a2 * rs[mt][hf] * rs[mt][hf];
+#pragma unroll
+          for (int nc = 0; nc < kNC; ++nc)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              s[mt][nc][e] = fmaf(s[mt][nc][e], fmaf(b2[e >> 1], s[mt][nc][e], b1[e >> 1]), pol.a0);
+        }
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int nc = 0; nc < kNC; ++nc)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mt][nc][e] = pol.weight(s[mt][nc][e] * scale_of(mt, nc, e));
+      }
       fused = true;
     }
   }
