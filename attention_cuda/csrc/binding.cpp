@@ -229,7 +229,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_bwd(const Tensor& dout, const Te
   const Tensor dout_c = dout.contiguous(), out_c = out.contiguous(), stat_c = stat.contiguous();
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor delta = at::empty({c.B, c.H, p.i_pad}, f32);
-  Tensor dq_accum = at::zeros({c.B, c.H, c.I, c.D}, f32);
+  // One scratch row past the end takes the Hopper backward's atomics for query rows past I, so that they
+  // need no branch (params.h).
+  Tensor dq_accum = at::zeros({static_cast<int64_t>(c.B) * c.H * c.I * c.D + c.D}, f32);
   Tensor dq = at::empty({c.B, c.H, c.I, c.D}, q.options());
   Tensor dk = at::empty({c.B, c.Hkv, c.J, c.D}, q.options());
   Tensor dv = at::empty({c.B, c.Hkv, c.J, c.D}, q.options());

@@ -52,12 +52,16 @@ struct KeyRows {
 
 // One warp's 16 keys x kBr queries m0.. of a backward step, from S^T = K Q^T (sc) and dP^T = V dO^T (dp)
 // in the m16n8 accumulator layout: on return sc holds P^T and dp holds dS~^T. v_stat, v_delta, v_rq:
-// the queries' stat, delta and 1/|q|; key0 = this thread's first key (g of the warp's 16).
-template <class T, int D, int kBc, int kBr, class Policy>
+// the queries' stat, delta and 1/|q|; key0 = this thread's first key (g of the warp's 16). after_tile(nq)
+// runs once each column tile's weights are done (the Hopper backward spreads its dQ atomics there).
+struct NoHook {
+  __device__ void operator()(int) const {}
+};
+template <class T, int D, int kBc, int kBr, class Policy, class Hook = NoHook>
 __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, float (&sc)[kBr / 8][4],
                                            float (&dp)[kBr / 8][4], const float* v_stat, const float* v_delta,
                                            const float* v_rq, const KeyRows& keys, int b, int h, int n0, int m0,
-                                           int key0, const uint8_t* mask) {
+                                           int key0, const uint8_t* mask, const Hook& after_tile = Hook{}) {
   constexpr int kNQ = kBr / 8;
   const int tq = lane_id() % 4;
   // Logits y with hidden pairs at -inf (the forward's visibility rules), then P and dL/dx per
@@ -134,6 +138,7 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
       sc[nq][e] = P;
       dp[nq][e] = ds;
     }
+    after_tile(nq);
   }
   if (p.dbias) {
     T* dbias = static_cast<T*>(p.dbias) + static_cast<int64_t>(b * p.H + h) * p.I * p.J;

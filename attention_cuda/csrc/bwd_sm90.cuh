@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     }
     wgmma_commit();
   };
-  auto dq_add = [&](Pos at) {
+  auto dq_add = [&](Pos at) {  // after the loop
     fence_acc(dqa);
     float* dq = p.dq_accum + static_cast<int64_t>(b * p.H + at.h) * p.I * D;
     if constexpr (C::kDQt)
@@ -87,21 +87,54 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     else
       add_dq(p, dq, dqa, at.m0 + warp % 4 * 16, D, wg * kDQ);
   };
+  // Inside the loop the same atomics go out one per column tile of the next step's exps (dq_one(i), i
+  // = 0 .. 7): all of them at once back up the memory pipe, and every register they still have to read
+  // stalls the next write to it, as do the loads behind them. Query rows past the end add to the
+  // scratch row after dq_accum instead (no branch, which would rebuild the address per atomic).
+  static_assert(sizeof(dqa) / sizeof(dqa[0][0]) == 16, "8 vector atomics per thread and step");
+  float* const dq_scratch = p.dq_accum + static_cast<int64_t>(p.B) * p.H * p.I * D;
+  float* dq_ptr[2];  // !kDQt: this thread's two rows, at its first column; kDQt: its first row and column
+  auto dq_rows = [&](Pos at) {
+    float* dq = p.dq_accum + static_cast<int64_t>(b * p.H + at.h) * p.I * D;
+    const int tq = threadIdx.x % 4;
+    if constexpr (C::kDQt) {
+      const int t = at.m0 + 2 * tq + (g & 1), c = wg * kDQ + warp % 4 * 16 + (g & ~1);
+      dq_ptr[0] = dq + static_cast<int64_t>(t) * D + c;
+      dq_ptr[1] = dq_scratch + c;
+    } else {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int t = at.m0 + warp % 4 * 16 + g + 8 * hf, c = wg * kDQ + 2 * tq;
+        dq_ptr[hf] = (t < p.I ? dq + static_cast<int64_t>(t) * D : dq_scratch) + c;
+      }
+    }
+  };
+  auto dq_one = [&](Pos at, int i) {
+    if constexpr (C::kDQt) {  // column tile n = i / 2 of dQ^T, its rows hf = i % 2; lanes g, g ^ 1 swap
+      const int n = i / 2, hf = i % 2, t = at.m0 + 2 * (threadIdx.x % 4) + (g & 1) + 8 * n;
+      const bool even = (g & 1) == 0;
+      const float a0 = dqa[n][2 * hf], a1 = dqa[n][2 * hf + 1];
+      const float x = __shfl_xor_sync(0xffffffffu, even ? a1 : a0, 4);
+      red_add2((t < p.I ? dq_ptr[0] + 8 * n * D : dq_ptr[1]) + 8 * hf, even ? a0 : x, even ? x : a1);
+    } else {  // row hf = i / 4, column tile n = i % 4
+      const int hf = i / 4, n = i % 4;
+      red_add2(dq_ptr[hf] + 8 * n, dqa[n][2 * hf], dqa[n][2 * hf + 1]);
+    }
+  };
 
   const Policy pol(p);
   float dk[kND][4] = {}, dv[kND][4] = {};
   for (int step = 0; step < steps; ++step) {
-    // This step's tiles have landed for every thread and are visible to the async proxy; every
-    // warpgroup is done with step-1, so its dS~^T is complete and the other stage is free.
+    // This step's tiles have landed for every thread and, like step-1's dS~^T stores, are visible to
+    // the async proxy (one fence per step); every warpgroup is done with step-1, so its dS~^T is
+    // complete and the other stage is free.
     cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();
     const int stage = step & 1, h = cur.h, m0 = cur.m0;
-    if (step + 1 < steps) load_q(walk.next(cur), stage ^ 1);
-    cp_async_commit();
 
     // The previous step's dQ, then S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys x 64
-    // queries, all in flight together.
+    // queries, all in flight together; the next step's tiles start loading behind them.
     float sc[kNQ][4], dp[kNQ][4];
     wgmma_fence();
     if (step > 0) dq_issue(stage ^ 1);
@@ -115,10 +148,13 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
       wgmma_ss<0, 0>(dp, desc_k(sV, 64 * wg, kk * 16, sizeof(T)), desc_k(do_tile(stage), 0, kk * 16, sizeof(T)),
                      kk > 0, T{});
     wgmma_commit();
+    if (step + 1 < steps) load_q(walk.next(cur), stage ^ 1);
+    cp_async_commit();
     // (Adding dQ after a wait for its group alone would overlap the atomics too, but ptxas then
     // serialises every wgmma of the kernel: it sees accumulators read inside the pipeline stage.)
     wgmma_wait<0>();
-    if (step > 0) dq_add(prev);
+    fence_acc(dqa);
+    if (step > 0) dq_rows(prev);
     fence_acc(sc);
     fence_acc(dp);
 
@@ -132,7 +168,12 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
       const float* vec = s_vec + stage * 3 * kBr + hq * kBr / 2;
       bwd_scores<T, D, kBc, kBr / 2>(p, pol, *reinterpret_cast<float(*)[kHalf][4]>(sc[hq * kHalf]),
                                      *reinterpret_cast<float(*)[kHalf][4]>(dp[hq * kHalf]), vec, vec + kBr,
-                                     vec + 2 * kBr, keys, b, h, n0, m0 + hq * kBr / 2, n0 + wkey + g, mask);
+                                     vec + 2 * kBr, keys, b, h, n0, m0 + hq * kBr / 2, n0 + wkey + g, mask,
+                                     [&](int nq) {
+#pragma unroll
+                                       for (int j = 0; j < 8 / kNQ; ++j)
+                                         if (step > 0) dq_one(prev, (hq * kHalf + nq) * (8 / kNQ) + j);
+                                     });
 #pragma unroll
       for (int kq = hq * kHalf / 2; kq < (hq + 1) * kHalf / 2; ++kq) {
         M::c_to_a(pa[kq], sc[2 * kq], sc[2 * kq + 1]);
@@ -148,7 +189,6 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     }
     // dS~^T to this step's buffer while those run, for dQ during the next step.
     store_ds<T>(ds_tile(stage), dp, wkey + g);
-    fence_proxy_async();
     wgmma_wait<0>();
     fence_acc(dk);
     fence_acc(dv);
@@ -156,6 +196,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     cur = walk.next(cur);
   }
   if (steps > 0) {
+    fence_proxy_async();
     __syncthreads();
     wgmma_fence();
     dq_issue((steps - 1) & 1);
