@@ -288,25 +288,6 @@ __device__ __forceinline__ void add_dq(const Params& p, float* dq, const float (
   }
 }
 
-// add_dq for a transposed accumulator (rows: columns c0 + g (+8) of dq; columns: query rows t0 + 8 n +
-// 2 tq (+1)): lanes g and g ^ 1 swap one value each, so that every atomic still adds two neighbouring
-// floats of a dq row.
-template <int kN>
-__device__ __forceinline__ void add_dq_t(const Params& p, float* dq, const float (&acc)[kN][4], int t0, int D,
-                                         int c0) {
-  const int g = threadIdx.x % 32 / 4, tq = threadIdx.x % 4;
-  const bool even = (g & 1) == 0;
-#pragma unroll
-  for (int n = 0; n < kN; ++n)
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const float a0 = acc[n][2 * hf], a1 = acc[n][2 * hf + 1];  // rows t, t + 1 of column c
-      const float b = __shfl_xor_sync(0xffffffffu, even ? a1 : a0, 4);
-      const int t = t0 + n * 8 + 2 * tq + (even ? 0 : 1), c = c0 + 8 * hf + (g & ~1);
-      if (t < p.I) red_add2(dq + static_cast<int64_t>(t) * D + c, even ? a0 : b, even ? b : a1);
-    }
-}
-
 template <class T, int D, class Policy>
 __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(const Params p) {
   using C = BwdConfig<T, D>;

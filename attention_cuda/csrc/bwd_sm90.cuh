@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
   // dQ += dS~ K for one step's queries, the reduction over the block's 128 keys: A = dS~ read M-major
   // from the dS~^T tile (keys as rows), B = this warpgroup's 32-column panel of K read N-major; or
   // transposed, A = K^T (the warpgroup's 64 columns of K, read M-major) and B = dS~^T read N-major.
-  // One wgmma group, issued ahead of the step's S^T and dP^T; dq_add adds the result once it is in.
+  // One wgmma group, issued ahead of the step's S^T and dP^T.
   float dqa[(C::kDQt ? kBr : kDQ) / 8][4];
   auto dq_issue = [&](int stage) {
 #pragma unroll
@@ -79,17 +79,9 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     }
     wgmma_commit();
   };
-  auto dq_add = [&](Pos at) {  // after the loop
-    fence_acc(dqa);
-    float* dq = p.dq_accum + static_cast<int64_t>(b * p.H + at.h) * p.I * D;
-    if constexpr (C::kDQt)
-      add_dq_t(p, dq, dqa, at.m0, D, wg * kDQ + warp % 4 * 16);
-    else
-      add_dq(p, dq, dqa, at.m0 + warp % 4 * 16, D, wg * kDQ);
-  };
-  // Inside the loop the same atomics go out one per column tile of the next step's exps (dq_one(i), i
-  // = 0 .. 7): all of them at once back up the memory pipe, and every register they still have to read
-  // stalls the next write to it, as do the loads behind them. Query rows past the end add to the
+  // Its atomics go out one per column tile of the next step's exps (dq_one(i), i = 0 .. 7): all of
+  // them at once back up the memory pipe, and every register they still have to read stalls the next
+  // write to it, as do the loads behind them. Query rows past the end add to the
   // scratch row after dq_accum instead (no branch, which would rebuild the address per atomic).
   static_assert(sizeof(dqa) / sizeof(dqa[0][0]) == 16, "8 vector atomics per thread and step");
   float* const dq_scratch = p.dq_accum + static_cast<int64_t>(p.B) * p.H * p.I * D;
@@ -201,7 +193,10 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     wgmma_fence();
     dq_issue((steps - 1) & 1);
     wgmma_wait<0>();
-    dq_add(prev);
+    fence_acc(dqa);
+    dq_rows(prev);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dq_one(prev, i);
   }
   bwd_store_dkdv<T, D>(p, dk, dv, sK, wkey + g, keys, bhk, n0);
 #endif
