@@ -81,17 +81,19 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
   };
   // Its atomics go out one per column tile of the next step's exps (dq_one(i), i = 0 .. 7): all of
   // them at once back up the memory pipe, and every register they still have to read stalls the next
-  // write to it, as do the loads behind them. Query rows past the end add to the
-  // scratch row after dq_accum instead (no branch, which would rebuild the address per atomic).
+  // write to it, as do the loads behind them. Query rows past the end add to the scratch row after
+  // dq_accum instead (no branch, which would rebuild the address per atomic).
   static_assert(sizeof(dqa) / sizeof(dqa[0][0]) == 16, "8 vector atomics per thread and step");
   float* const dq_scratch = p.dq_accum + static_cast<int64_t>(p.B) * p.H * p.I * D;
   float* dq_ptr[2];  // !kDQt: this thread's two rows, at its first column; kDQt: its first row and column
+  int dq_t = 0;      // kDQt: that first row (its column tile n adds rows dq_t + 8 n)
   auto dq_rows = [&](Pos at) {
     float* dq = p.dq_accum + static_cast<int64_t>(b * p.H + at.h) * p.I * D;
     const int tq = threadIdx.x % 4;
     if constexpr (C::kDQt) {
-      const int t = at.m0 + 2 * tq + (g & 1), c = wg * kDQ + warp % 4 * 16 + (g & ~1);
-      dq_ptr[0] = dq + static_cast<int64_t>(t) * D + c;
+      const int c = wg * kDQ + warp % 4 * 16 + (g & ~1);
+      dq_t = at.m0 + 2 * tq + (g & 1);
+      dq_ptr[0] = dq + static_cast<int64_t>(dq_t) * D + c;
       dq_ptr[1] = dq_scratch + c;
     } else {
 #pragma unroll
@@ -101,13 +103,13 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
       }
     }
   };
-  auto dq_one = [&](Pos at, int i) {
+  auto dq_one = [&](int i) {  // after dq_rows
     if constexpr (C::kDQt) {  // column tile n = i / 2 of dQ^T, its rows hf = i % 2; lanes g, g ^ 1 swap
-      const int n = i / 2, hf = i % 2, t = at.m0 + 2 * (threadIdx.x % 4) + (g & 1) + 8 * n;
+      const int n = i / 2, hf = i % 2;
       const bool even = (g & 1) == 0;
       const float a0 = dqa[n][2 * hf], a1 = dqa[n][2 * hf + 1];
       const float x = __shfl_xor_sync(0xffffffffu, even ? a1 : a0, 4);
-      red_add2((t < p.I ? dq_ptr[0] + 8 * n * D : dq_ptr[1]) + 8 * hf, even ? a0 : x, even ? x : a1);
+      red_add2((dq_t + 8 * n < p.I ? dq_ptr[0] + 8 * n * D : dq_ptr[1]) + 8 * hf, even ? a0 : x, even ? x : a1);
     } else {  // row hf = i / 4, column tile n = i % 4
       const int hf = i / 4, n = i % 4;
       red_add2(dq_ptr[hf] + 8 * n, dqa[n][2 * hf], dqa[n][2 * hf + 1]);
@@ -164,7 +166,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
                                      [&](int nq) {
 #pragma unroll
                                        for (int j = 0; j < 8 / kNQ; ++j)
-                                         if (step > 0) dq_one(prev, (hq * kHalf + nq) * (8 / kNQ) + j);
+                                         if (step > 0) dq_one((hq * kHalf + nq) * (8 / kNQ) + j);
                                      });
 #pragma unroll
       for (int kq = hq * kHalf / 2; kq < (hq + 1) * kHalf / 2; ++kq) {
@@ -196,7 +198,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     fence_acc(dqa);
     dq_rows(prev);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) dq_one(prev, i);
+    for (int i = 0; i < 8; ++i) dq_one(i);
   }
   bwd_store_dkdv<T, D>(p, dk, dv, sK, wkey + g, keys, bhk, n0);
 #endif

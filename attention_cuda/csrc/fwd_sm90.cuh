@@ -186,7 +186,6 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1)
     for (int kc = 0; kc < kNC / 2; ++kc) M::c_to_a(pa[kc], s[0][2 * kc], s[0][2 * kc + 1]);
   };
 
-
   // The tiles this warpgroup's rows see, 0 .. n_vis - 1; the steady state is peeled free of branches
   // on whether a P V is in flight, so that no instruction touches O's registers while it is.
   const int n_vis = wg_end > 0 ? min(n_tiles, cdiv(wg_end, kBc)) : 0;
