@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
   const BwdWalk<T, D, kBc, kBr, kThreads> walk(p);
   const int bhk = walk.bhk, n0 = walk.n0, b = walk.b, hk = walk.hk, steps = walk.steps;
   const uint8_t* mask = walk.mask();
-  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
+  const int warp = warp_index(), g = threadIdx.x % 32 / 4;
   const int wg = warp / 4, wkey = warp * 16;  // warpgroup wg: keys 64 wg ..; this warp: 16 of them
   using Pos = typename BwdWalk<T, D, kBc, kBr, kThreads>::Pos;
   auto load_q = [&](Pos at, int stage) {

@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1)
 
   const FwdBlock<T, D, kBr, kBc, 128 * kWG> blk(p);
   const int m0 = blk.m0, n_tiles = blk.n_tiles;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
+  const int warp = warp_index(), lane = threadIdx.x % 32, wg = warp / 4;
   if (threadIdx.x == 0) {
     mbar_init(q_full, 1);
     for (int st = 0; st < kStages; ++st) {

@@ -31,21 +31,33 @@ struct SwTile {
 };
 
 // Shared-memory matrix descriptor (PTX ISA, "matrix descriptor format"): start address, leading and
-// stride byte offsets (16-byte units), 64-byte swizzle (mode 2).
+// stride byte offsets (16-byte units), 64-byte swizzle (mode 2). Shared addresses stay below 256 KB,
+// so the 14-bit start field holds addr >> 4 unmasked, and an operand's descriptor is its tile's plus
+// the offset in the low word (desc_at): one add per wgmma, which the compiler keeps in uniform
+// registers when the tile base is warp-uniform (warp_index), instead of rebuilding every field.
 __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead_bytes, uint32_t stride_bytes) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | static_cast<uint64_t>((lead_bytes >> 4) & 0x3FFF) << 16 |
+  return static_cast<uint64_t>(addr >> 4) | static_cast<uint64_t>((lead_bytes >> 4) & 0x3FFF) << 16 |
          static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32 | 2ull << 62;
+}
+__device__ __forceinline__ uint64_t desc_at(uint64_t d, uint32_t bytes) {
+  const uint32_t lo = static_cast<uint32_t>(d) + (bytes >> 4), hi = static_cast<uint32_t>(d >> 32);
+  return static_cast<uint64_t>(hi) << 32 | lo;
 }
 // The 64-row x 16-column (K-major) block of t at (row0, col0): an A or B operand read along its columns.
 __device__ __forceinline__ uint64_t desc_k(const SwTile& t, int row0, int col0, int elem_bytes) {
   const int byte = col0 * elem_bytes;
-  return smem_desc(t.base + (byte >> 6) * t.panel_bytes() + row0 * 64 + (byte & 63), 16, 512);
+  return desc_at(smem_desc(t.base, 16, 512), (byte >> 6) * t.panel_bytes() + row0 * 64 + (byte & 63));
 }
 // The 16-row block of t at row0, all columns from panel `panel0` on (MN-major): an operand read along
 // its rows.
 __device__ __forceinline__ uint64_t desc_mn(const SwTile& t, int row0, int panel0) {
-  return smem_desc(t.base + panel0 * t.panel_bytes() + row0 * 64, t.panel_bytes(), 512);
+  return desc_at(smem_desc(t.base, t.panel_bytes(), 512), panel0 * t.panel_bytes() + row0 * 64);
 }
+// The warp's index, broadcast from lane 0 so that the compiler knows it is the same across the warp:
+// what is derived from it (the warpgroup's tile offsets, hence the descriptors) then lives in uniform
+// registers. From threadIdx.x / 32 alone every descriptor went through vector registers and an R2UR
+// per wgmma (H200: the forward 11-13% and the backward 3-5% faster with this; bench/NOTES.md run 16).
+__device__ __forceinline__ int warp_index() { return __shfl_sync(0xffffffffu, threadIdx.x / 32, 0); }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
