@@ -131,7 +131,9 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     // queries, all in flight together; the next step's tiles start loading behind them.
     // Warpgroup 1 issues after warpgroup 0 has (named barrier 1): the tensor cores then finish
     // warpgroup 0's products first, and its exps start while warpgroup 1's run (H200: the cosine
-    // backward 3-5% faster, the polynomial's unchanged; bench/NOTES.md run 16).
+    // backward 3-5% faster, the polynomial's unchanged; bench/NOTES.md run 16). Both sides bar.sync,
+    // warpgroup 1 reaches it first anyway; with bar.arrive racecheck reported warpgroup 0's next
+    // cp.async as racing with warpgroup 1's reads, which the block barrier already orders.
     float sc[kNQ][4], dp[kNQ][4];
     if (wg == 1) named_sync(1, kThreads);
     wgmma_fence();
@@ -146,7 +148,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
       wgmma_ss<0, 0>(dp, desc_k(sV, 64 * wg, kk * 16, sizeof(T)), desc_k(do_tile(stage), 0, kk * 16, sizeof(T)),
                      kk > 0, T{});
     wgmma_commit();
-    if (wg == 0) named_arrive(1, kThreads);
+    if (wg == 0) named_sync(1, kThreads);
     if (step + 1 < steps) load_q(walk.next(cur), stage ^ 1);
     cp_async_commit();
     // (Adding dQ after a wait for its group alone would overlap the atomics too, but ptxas then
