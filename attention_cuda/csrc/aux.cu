@@ -81,8 +81,10 @@ __global__ void delta_kernel(const Params p, int D) {
         load_rows(a, o, D, t0, p.I, d);
         load_rows(b, dout, D, t0, p.I, d);
 #pragma unroll
-        for (int r = 0; r < kRowsPerWarp; ++r)
-          acc[r] += a[r].x * round_for_mma<T>(b[r].x) + a[r].y * round_for_mma<T>(b[r].y);
+        for (int r = 0; r < kRowsPerWarp; ++r) {
+          const float2 rb = round_for_mma<T>(b[r]);
+          acc[r] += a[r].x * rb.x + a[r].y * rb.y;
+        }
       }
     }
 #pragma unroll

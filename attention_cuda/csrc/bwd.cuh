@@ -120,22 +120,29 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
   for (int nq = 0; nq < kNQ; ++nq) {
     const float2 stat2 = *reinterpret_cast<const float2*>(v_stat + nq * 8 + 2 * tq);
     const float2 delta2 = *reinterpret_cast<const float2*>(v_delta + nq * 8 + 2 * tq);
+    float P[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float y = sc[nq][e];
+      if constexpr (Policy::kRowMax) P[e] = ex2(y - ((e & 1) ? stat2.y : stat2.x));
+      else if constexpr (kShift) P[e] = ex2(y);  // y - shift already
+      else P[e] = pol.weight(y);
+    }
+    if constexpr (!Policy::kRowMax) {  // the weights as the forward rounded them for P V, over the row sum
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const float2 r = round_for_mma<T>(make_float2(P[e], P[e + 1]));
+        P[e] = r.x * stat2.x, P[e + 1] = r.y * stat2.y;
+      }
+    }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float y = sc[nq][e], stat = (e & 1) ? stat2.y : stat2.x, delta = (e & 1) ? delta2.y : delta2.x;
-      float P, ds;
-      if constexpr (Policy::kRowMax) {
-        P = ex2(y - stat);
-      } else if constexpr (kShift) {  // y - shift already
-        P = round_for_mma<T>(ex2(y)) * stat;
-      } else {
-        P = round_for_mma<T>(pol.weight(y)) * stat;
-      }
-      ds = pol.dlogit(P, y, dp[nq][e] - delta, stat);
+      float ds = pol.dlogit(P[e], y, dp[nq][e] - delta, stat);
       if constexpr (!Policy::kExp) {  // exp2 gives 0 at -inf by itself; the polynomial does not
-        if (y == -INFINITY) P = 0.f, ds = 0.f;
+        if (y == -INFINITY) P[e] = 0.f, ds = 0.f;
       }
-      sc[nq][e] = P;
+      sc[nq][e] = P[e];
       dp[nq][e] = ds;
     }
     after_tile(nq);

@@ -149,15 +149,19 @@ struct Elem<float> {
   __device__ static float from_float(float x) { return x; }
 };
 
-// x as the tensor cores see it once converted to T (fp32 inputs run as TF32).
+// A pair of values as the tensor cores see them once converted to T (fp32 inputs run as TF32). For
+// 16-bit T one packing conversion serves both, and back is integer ops (bf16) or half-to-float on the
+// FMA pipe: per element that is fewer instructions than a conversion there and back, and none on the
+// conversion unit, which the backward's exps need (bench/NOTES.md run 16).
 template <class T>
-__device__ __forceinline__ float round_for_mma(float x) {
+__device__ __forceinline__ float2 round_for_mma(float2 x) {
   if constexpr (sizeof(T) == 2) {
-    return Elem<T>::to_float(Elem<T>::from_float(x));
+    return Elem<T>::unpack(Elem<T>::pack(x.x, x.y));
   } else {
-    uint32_t r;
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-    return __uint_as_float(r);
+    uint32_t r0, r1;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r0) : "f"(x.x));
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r1) : "f"(x.y));
+    return make_float2(__uint_as_float(r0), __uint_as_float(r1));
   }
 }
 
