@@ -268,7 +268,7 @@ struct BwdWalk {
 };
 
 // dS~^T of this thread's keys `key` (+8) x the step's queries to the step's buffer, for dQ in the next
-// step. Shared by both backward kernels.
+// step (the Hopper kernel stores with stmatrix instead: store_ds_sm90).
 template <class T, int kNQ, class Tile_>
 __device__ __forceinline__ void store_ds(const Tile_& sds, const float (&ds)[kNQ][4], int key) {
   const int tq = threadIdx.x % 4;

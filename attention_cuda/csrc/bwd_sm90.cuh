@@ -33,6 +33,19 @@ struct Sm90Bwd {
   static constexpr int kVec = kDS + 2 * kTileS, kBytes = kVec + 2 * 3 * kRows * 4 + 1024;
 };
 
+// dS~^T of this warp's 16 keys from wkey x the step's queries to the step's buffer, for dQ in the next
+// step: each column tile of the accumulator is two 8x8 matrices, so one stmatrix stores two tiles (one
+// st.shared per pair of elements otherwise).
+template <class T, int kNQ>
+__device__ __forceinline__ void store_ds_sm90(const SwTile& sds, const float (&ds)[kNQ][4], int wkey) {
+  const int l = lane_id(), row = wkey + (l & 7) + 8 * ((l >> 3) & 1);
+#pragma unroll
+  for (int nq = 0; nq < kNQ; nq += 2)
+    stsm_x4(sds.at(row, (nq + (l >> 4)) * 8 * sizeof(T)), Elem<T>::pack(ds[nq][0], ds[nq][1]),
+            Elem<T>::pack(ds[nq][2], ds[nq][3]), Elem<T>::pack(ds[nq + 1][0], ds[nq + 1][1]),
+            Elem<T>::pack(ds[nq + 1][2], ds[nq + 1][3]));
+}
+
 template <class T, int D, class Policy>
 __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel(const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -189,7 +202,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
       wgmma_commit();
     }
     // dS~^T to this step's buffer while those run, for dQ during the next step.
-    store_ds<T>(ds_tile(stage), dp, wkey + g);
+    store_ds_sm90<T>(ds_tile(stage), dp, wkey);
     wgmma_wait<0>();
     fence_acc(dk);
     fence_acc(dv);

@@ -53,6 +53,13 @@ __device__ __forceinline__ uint64_t desc_k(const SwTile& t, int row0, int col0, 
 __device__ __forceinline__ uint64_t desc_mn(const SwTile& t, int row0, int panel0) {
   return desc_at(smem_desc(t.base, t.panel_bytes(), 512), panel0 * t.panel_bytes() + row0 * 64);
 }
+// stmatrix: four 8x8 matrices of 16-bit values, one register of each per thread (the m16n8 accumulator
+// layout); lane l gives the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void stsm_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
 // The warp's index, broadcast from lane 0 so that the compiler knows it is the same across the warp:
 // what is derived from it (the warpgroup's tile offsets, hence the descriptors) then lives in uniform
 // registers. From threadIdx.x / 32 alone every descriptor went through vector registers and an R2UR
