@@ -150,9 +150,9 @@ struct Elem<float> {
 };
 
 // A pair of values as the tensor cores see them once converted to T (fp32 inputs run as TF32). For
-// 16-bit T one packing conversion serves both, and back is integer ops (bf16) or half-to-float on the
-// FMA pipe: per element that is fewer instructions than a conversion there and back, and none on the
-// conversion unit, which the backward's exps need (bench/NOTES.md run 16).
+// 16-bit T one packing conversion serves both, and back is integer ops (bf16) or a widening half add
+// (HADD2.F32, fp16): fewer instructions per element than a conversion there and back, and none on
+// the conversion unit, which the backward's exps need (bench/NOTES.md run 16).
 template <class T>
 __device__ __forceinline__ float2 round_for_mma(float2 x) {
   if constexpr (sizeof(T) == 2) {
