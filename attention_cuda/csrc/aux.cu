@@ -96,12 +96,21 @@ __global__ void delta_kernel(const Params p, int D) {
   });
 }
 
-template <class T>
+template <class T, bool kTiles>
 __global__ void dq_finalize_kernel(const Params p, int D) {
   const int bh = blockIdx.x, lane = threadIdx.x % 32;
   const T* q = static_cast<const T*>(p.q) + (bh / p.H) * p.q_sb + (bh % p.H) * p.q_sh;
-  const float* u = p.dq_accum + static_cast<int64_t>(bh) * p.I * D;
+  const float* u = p.dq_accum + static_cast<int64_t>(bh) * (kTiles ? (p.I + 63) / 64 * 64 : p.I) * D;
   T* dq = static_cast<T*>(p.dq) + static_cast<int64_t>(bh) * p.I * D;
+  // U's pair d of rows t0 .. (clamped like load_rows), in either layout: a tile's pair is adjacent too.
+  auto load_u = [&](float2(&b)[kRowsPerWarp], int t0, int d) {
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      const int t = min(t0 + r, p.I - 1);
+      const int64_t at = kTiles ? dq_tile_offset(t, d, D) : static_cast<int64_t>(t) * D + d;
+      b[r] = *reinterpret_cast<const float2*>(u + at);
+    }
+  };
   for_each_row_group(p.I, [&](int t0) {
     // dq = c (U - rq^2 (q.U) q), unless |q| <= eps (then the normalisation is linear)
     float proj[kRowsPerWarp] = {};
@@ -109,7 +118,7 @@ __global__ void dq_finalize_kernel(const Params p, int D) {
       for (int d = 2 * lane; d < D; d += 64) {
         float2 a[kRowsPerWarp], b[kRowsPerWarp];
         load_rows(a, q, p.q_si, t0, p.I, d);
-        load_rows(b, u, D, t0, p.I, d);
+        load_u(b, t0, d);
 #pragma unroll
         for (int r = 0; r < kRowsPerWarp; ++r) proj[r] += a[r].x * b[r].x + a[r].y * b[r].y;
       }
@@ -123,7 +132,7 @@ __global__ void dq_finalize_kernel(const Params p, int D) {
     for (int d = 2 * lane; d < D; d += 64) {
       float2 a[kRowsPerWarp] = {}, b[kRowsPerWarp];
       if (p.rq) load_rows(a, q, p.q_si, t0, p.I, d);
-      load_rows(b, u, D, t0, p.I, d);
+      load_u(b, t0, d);
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r) {
         if (t0 + r < p.I)
@@ -377,10 +386,11 @@ cudaError_t run_delta(Dtype dtype, const Params& p, int D, cudaStream_t stream) 
   });
 }
 
-cudaError_t run_dq_finalize(Dtype dtype, const Params& p, int D, cudaStream_t stream) {
+cudaError_t run_dq_finalize(Dtype dtype, const Params& p, int D, bool tiles, cudaStream_t stream) {
   if (p.B * p.H == 0 || p.I == 0) return cudaSuccess;
   return by_dtype(dtype, [&](auto tag) {
-    dq_finalize_kernel<decltype(tag)><<<row_grid(p.B * p.H, p.I), kWarps * 32, 0, stream>>>(p, D);
+    auto kernel = tiles ? dq_finalize_kernel<decltype(tag), true> : dq_finalize_kernel<decltype(tag), false>;
+    kernel<<<row_grid(p.B * p.H, p.I), kWarps * 32, 0, stream>>>(p, D);
     return cudaGetLastError();
   });
 }

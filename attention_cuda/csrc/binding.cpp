@@ -229,9 +229,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_bwd(const Tensor& dout, const Te
   const Tensor dout_c = dout.contiguous(), out_c = out.contiguous(), stat_c = stat.contiguous();
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor delta = at::empty({c.B, c.H, p.i_pad}, f32);
-  // One scratch row past the end takes the Hopper backward's atomics for query rows past I, so that they
-  // need no branch (params.h).
-  Tensor dq_accum = at::zeros({static_cast<int64_t>(c.B) * c.H * c.I * c.D + c.D}, f32);
+  // Room for rows plus the scratch row that takes the Hopper backward's atomics for rows past I (so
+  // that they need no branch), or for 64-row tiles (params.h: each backward kernel has its layout).
+  Tensor dq_accum = at::zeros({static_cast<int64_t>(c.B) * c.H * ((c.I + 63) / 64 * 64) * c.D + c.D}, f32);
   Tensor dq = at::empty({c.B, c.H, c.I, c.D}, q.options());
   Tensor dk = at::empty({c.B, c.Hkv, c.J, c.D}, q.options());
   Tensor dv = at::empty({c.B, c.Hkv, c.J, c.D}, q.options());
@@ -243,7 +243,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_bwd(const Tensor& dout, const Te
   p.dbias = bias_grad ? dbias.data_ptr() : nullptr;
   check_ok(attn::run_delta(c.dtype, p, c.D, stream), "delta");
   check_ok(c.bwd(p, pol.score, stream), "backward kernel");
-  check_ok(attn::run_dq_finalize(c.dtype, p, c.D, stream), "dq epilogue");
   return {dq, dk, dv, dbias};
 }
 

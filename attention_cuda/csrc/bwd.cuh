@@ -218,7 +218,7 @@ struct BwdWalk {
     int h, m0;
   };
   const Params& p;
-  int bhk, n0, b, hk, m_first, steps;
+  int bhk, n0, b, hk, m_first, m_start, steps;
   __device__ explicit BwdWalk(const Params& p_) : p(p_) {
     // Block order, as in the forward (FwdBlock). Causal: key blocks first to last across all heads (the
     // first ones see the most queries). Otherwise heads one after another, so that the blocks resident
@@ -229,12 +229,16 @@ struct BwdWalk {
     b = bhk / p.Hkv, hk = bhk % p.Hkv;
     const int n_mtiles = cdiv(p.I, kBr);
     m_first = p.causal ? min(n_mtiles, max(0, n0 - (p.J - p.I)) / kBr) : 0;
+    // Where a block starts its walk over the query tiles (it wraps around to m_first): without causal,
+    // rotated by the key block, so that the blocks of a head add to different dQ tiles at a time.
+    m_start = p.causal ? m_first : n0 / kBc % n_mtiles;
     steps = p.group * (n_mtiles - m_first);
   }
-  __device__ Pos first() const { return {hk * p.group, m_first * kBr}; }
+  __device__ Pos first() const { return {hk * p.group, m_start * kBr}; }
   __device__ Pos next(Pos s) const {
     s.m0 += kBr;
-    if (s.m0 >= p.I) s.m0 = m_first * kBr, ++s.h;
+    if (s.m0 >= p.I) s.m0 = m_first * kBr;
+    if (s.m0 == m_start * kBr) ++s.h;
     return s;
   }
   __device__ const uint8_t* mask() const { return p.mask ? p.mask + b * p.mask_sb : nullptr; }
@@ -444,8 +448,9 @@ cudaError_t run_bwd(const Params& p, Score score, cudaStream_t stream) {
   using C = BwdConfig<T, D>;
   const int64_t blocks = static_cast<int64_t>(cdiv(p.J, C::kCols)) * p.B * p.Hkv;
   return with_policy(score, [&](auto policy) {
-    return launch(bwd_kernel<T, D, typename decltype(policy)::type>, blocks, C::kWarps * 32, BwdSmem<T, D>::kBytes,
-                  p, stream);
+    const cudaError_t err = launch(bwd_kernel<T, D, typename decltype(policy)::type>, blocks, C::kWarps * 32,
+                                   BwdSmem<T, D>::kBytes, p, stream);
+    return err != cudaSuccess ? err : run_dq_finalize(dtype_of<T>(), p, D, false, stream);
   });
 }
 

@@ -4,12 +4,12 @@
 // One block per (batch, kv head, 128 keys): two warpgroups of 64 keys, each warp 16 of them, so the
 // transposed scores S^T = K Q^T and dP^T = V dO^T land in exactly the registers the mma.sync kernel
 // has them in, and the per-element work (bwd_scores) and the dK/dV epilogue are the same functions.
-// Per step of 64 queries (32 at d128): S^T and dP^T (wgmma, both operands in shared memory), then P^T
-// and dS~^T in registers feed dV += P^T dO and dK += dS~^T Q as register A operands, while dS~^T goes
-// to shared memory for dQ = dS~ K in the next step (each warpgroup half of the head dim's columns,
-// added to the fp32 buffer with vector atomics). Loads are cp.async, double-buffered, one barrier per
-// step. (A producer warpgroup with TMA and mbarrier hand-offs between the warpgroups, as in the
-// forward, was slower here: branch next/bwd-ws, bench/NOTES.md run 14.)
+// Per step of 64 queries: S^T and dP^T (wgmma, both operands in shared memory), then P^T and dS~^T in
+// registers feed dV += P^T dO and dK += dS~^T Q as register A operands, while dS~^T goes to shared
+// memory for dQ = dS~ K in the next step (each warpgroup half of the head dim's columns, added to the
+// fp32 buffer with vector atomics at d64, with a bulk reduce at d128). Loads are cp.async,
+// double-buffered, one barrier per step. (A producer warpgroup with TMA and mbarrier hand-offs between
+// the warpgroups, as in the forward, was slower here: branch next/bwd-ws, bench/NOTES.md run 14.)
 #pragma once
 #include "bwd.cuh"
 #include "wgmma.cuh"
@@ -20,17 +20,19 @@ template <class T, int D>
 struct Sm90Bwd {
   static constexpr bool kSupported = sizeof(T) == 2 && (D == 64 || D == 128);
   static cudaError_t run(const Params& p, Score score, cudaStream_t stream);  // the launch, after the kernel
-  // Keys per block (64 per warpgroup) and queries per step. At d128 a warpgroup's dK and dV take 128
-  // registers per thread, so steps are 32 queries and dQ is computed transposed (kDQt), dQ^T = K^T dS~^T:
-  // M = the warpgroup's 64 columns of the head dim, N = the step's 32 queries.
-  static constexpr int kWarps = 8, kCols = 128, kRows = D <= 64 ? 64 : 32;
-  static constexpr bool kDQt = D > 64;
+  // Keys per block (64 per warpgroup) and queries per step. dQ for a step's queries is split by head
+  // dim columns: each warpgroup kDQ of them. kBulkDQ: how it leaves the block (see the kernel).
+  static constexpr int kWarps = 8, kCols = 128, kRows = 64, kDQ = D / 2;
+  static constexpr bool kBulkDQ = D > 64;
   static constexpr int kTileK = kCols * D * sizeof(T), kTileQ = kRows * D * sizeof(T);
   static constexpr int kTileS = kCols * kRows * sizeof(T);
-  // K | V | 2 x Q | 2 x dO | 2 x dS~^T | 2 x (stat, delta, 1/|q|), every tile 1024-byte aligned (the
-  // swizzle pattern's period), plus the slack to align the dynamic shared memory's start.
+  // K | V | 2 x Q | 2 x dO | 2 x dS~^T | 2 x (stat, delta, 1/|q|) | with kBulkDQ 2 x dQ (fp32,
+  // dq_tile_offset's order), every tile 1024-byte aligned (the swizzle pattern's period), plus the
+  // slack to align the dynamic shared memory's start.
   static constexpr int kK = 0, kV = kTileK, kQ = 2 * kTileK, kDO = kQ + 2 * kTileQ, kDS = kDO + 2 * kTileQ;
-  static constexpr int kVec = kDS + 2 * kTileS, kBytes = kVec + 2 * 3 * kRows * 4 + 1024;
+  static constexpr int kVec = kDS + 2 * kTileS, kDQS = kVec + 2 * 3 * kRows * 4, kTileDQ = kRows * D * 4;
+  static constexpr int kBytes = kDQS + (kBulkDQ ? 2 * kTileDQ : 0) + 1024;
+  static_assert(kRows == 64, "dQ's tiles (dq_tile_offset) are one step of 64 queries");
 };
 
 // dS~^T of this warp's 16 keys from wkey x the step's queries to the step's buffer, for dQ in the next
@@ -52,8 +54,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
   using C = Sm90Bwd<T, D>;
   using M = Mma<T>;
   constexpr int kThreads = C::kWarps * 32, kBc = C::kCols, kBr = C::kRows;
-  constexpr int kKD = D / 16, kNQ = kBr / 8, kND = D / 8, kDQ = D / 2;  // kDQ: dQ columns per warpgroup
-  static_assert(C::kDQt ? kBr == 32 : kDQ == 32, "dQ's N: one 32-column panel (of K, or of dS~^T)");
+  constexpr int kKD = D / 16, kNQ = kBr / 8, kND = D / 8, kDQ = C::kDQ;
   extern __shared__ __align__(1024) char smem_raw[];
   const uint32_t raw = smem_u32(smem_raw), s0 = (raw + 1023) & ~1023u;
   const float* s_vec = reinterpret_cast<const float*>(smem_raw + (s0 - raw) + C::kVec);
@@ -78,54 +79,63 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
   const KeyRows keys(p, b, hk, mask, n0 + wkey + g);
 
   // dQ += dS~ K for one step's queries, the reduction over the block's 128 keys: A = dS~ read M-major
-  // from the dS~^T tile (keys as rows), B = this warpgroup's 32-column panel of K read N-major; or
-  // transposed, A = K^T (the warpgroup's 64 columns of K, read M-major) and B = dS~^T read N-major.
-  // One wgmma group, issued ahead of the step's S^T and dP^T.
-  float dqa[(C::kDQt ? kBr : kDQ) / 8][4];
+  // from the dS~^T tile (keys as rows), B = this warpgroup's kDQ columns of K read N-major. One wgmma
+  // group, issued ahead of the step's S^T and dP^T.
+  float dqa[kDQ / 8][4];
   auto dq_issue = [&](int stage) {
 #pragma unroll
-    for (int kk = 0; kk < kBc / 16; ++kk) {
-      if constexpr (C::kDQt)
-        wgmma_ss<1, 1>(dqa, desc_mn(sK, kk * 16, 2 * wg), desc_mn(ds_tile(stage), kk * 16, 0), kk > 0, T{});
-      else
-        wgmma_ss<1, 1>(dqa, desc_mn(ds_tile(stage), kk * 16, 0), desc_mn(sK, kk * 16, wg), kk > 0, T{});
-    }
+    for (int kk = 0; kk < kBc / 16; ++kk)
+      wgmma_ss<1, 1>(dqa, desc_mn(ds_tile(stage), kk * 16, 0), desc_mn(sK, kk * 16, wg * kDQ / 32), kk > 0, T{});
     wgmma_commit();
   };
-  // Its atomics go out one per column tile of the next step's exps (dq_one(i), i = 0 .. 7): all of
-  // them at once back up the memory pipe, and every register they still have to read stalls the next
-  // write to it, as do the loads behind them. Query rows past the end add to the scratch row after
-  // dq_accum instead (no branch, which would rebuild the address per atomic).
-  static_assert(sizeof(dqa) / sizeof(dqa[0][0]) == 16, "8 vector atomics per thread and step");
+  // dQ leaves the block one of two ways (H200, bench/NOTES.md run 17). Atomics: each thread adds its
+  // accumulator with vector atomics, one per column tile of the next step's exps (all at once back up
+  // the memory pipe, and each register they still have to read stalls the next write to it); rows
+  // past the end go to the scratch row after dq_accum (no branch, which would rebuild the address per
+  // atomic). At d128 the atomics cost 40% of the backward (b1 h32 8192): each step's proxy fence is a
+  // memory barrier that holds every thread until its atomics have drained. kBulkDQ: the accumulator
+  // goes to a staging tile in shared memory (16-byte stores during the first half's exps) and, after
+  // the next step's barrier, one elected thread per warpgroup adds it to dq_accum's tiles with a bulk
+  // reduce (the TMA unit): 10% faster at d128, but 17% slower at d64, where the atomics overlap.
+  constexpr int kAtomics = kDQ / 4, kStores = kDQ / 8;  // per thread and step
   float* const dq_scratch = p.dq_accum + static_cast<int64_t>(p.B) * p.H * p.I * D;
-  float* dq_ptr[2];  // !kDQt: this thread's two rows, at its first column; kDQt: its first row and column
-  int dq_t = 0;      // kDQt: that first row (its column tile n adds rows dq_t + 8 n)
+  float* dq_ptr[2];  // atomics: this thread's two rows, at its first column
   auto dq_rows = [&](Pos at) {
     float* dq = p.dq_accum + static_cast<int64_t>(b * p.H + at.h) * p.I * D;
-    const int tq = threadIdx.x % 4;
-    if constexpr (C::kDQt) {
-      const int c = wg * kDQ + warp % 4 * 16 + (g & ~1);
-      dq_t = at.m0 + 2 * tq + (g & 1);
-      dq_ptr[0] = dq + static_cast<int64_t>(dq_t) * D + c;
-      dq_ptr[1] = dq_scratch + c;
-    } else {
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int t = at.m0 + warp % 4 * 16 + g + 8 * hf, c = wg * kDQ + 2 * tq;
-        dq_ptr[hf] = (t < p.I ? dq + static_cast<int64_t>(t) * D : dq_scratch) + c;
-      }
+    for (int hf = 0; hf < 2; ++hf) {
+      const int t = at.m0 + warp % 4 * 16 + g + 8 * hf, c = wg * kDQ + 2 * (threadIdx.x % 4);
+      dq_ptr[hf] = (t < p.I ? dq + static_cast<int64_t>(t) * D : dq_scratch) + c;
     }
   };
-  auto dq_one = [&](int i) {  // after dq_rows
-    if constexpr (C::kDQt) {  // column tile n = i / 2 of dQ^T, its rows hf = i % 2; lanes g, g ^ 1 swap
-      const int n = i / 2, hf = i % 2;
-      const bool even = (g & 1) == 0;
-      const float a0 = dqa[n][2 * hf], a1 = dqa[n][2 * hf + 1];
-      const float x = __shfl_xor_sync(0xffffffffu, even ? a1 : a0, 4);
-      red_add2((dq_t + 8 * n < p.I ? dq_ptr[0] + 8 * n * D : dq_ptr[1]) + 8 * hf, even ? a0 : x, even ? x : a1);
-    } else {  // row hf = i / 4, column tile n = i % 4
-      const int hf = i / 4, n = i % 4;
-      red_add2(dq_ptr[hf] + 8 * n, dqa[n][2 * hf], dqa[n][2 * hf + 1]);
+  auto dq_add = [&](int i) {  // after dq_rows: row hf, column tile n
+    const int hf = i / (kDQ / 8), n = i % (kDQ / 8);
+    red_add2(dq_ptr[hf] + 8 * n, dqa[n][2 * hf], dqa[n][2 * hf + 1]);
+  };
+  const uint32_t s_dq = s0 + C::kDQS + (wg * kStores * 128 + threadIdx.x % 128) * 16;
+  const bool elected = threadIdx.x % 128 == 0;
+  Pos dq_at = cur;  // kBulkDQ: the queries whose dQ the staging tile written last step holds
+  auto dq_stage = [&](int buf, int n) {
+    sts128(s_dq + buf * C::kTileDQ + n * 128 * 16, dqa[n][0], dqa[n][1], dqa[n][2], dqa[n][3]);
+  };
+  auto dq_reduce = [&](int buf) {  // the elected thread, after a proxy fence and barrier
+    float* dst = p.dq_accum + (static_cast<int64_t>(b * p.H + dq_at.h) * cdiv(p.I, kBr) + dq_at.m0 / kBr) * kBr * D;
+    bulk_reduce_add(dst + wg * kBr * kDQ, s0 + C::kDQS + buf * C::kTileDQ + wg * kBr * kDQ * 4, kBr * kDQ * 4);
+    bulk_commit();
+  };
+  // After column tile nq of half hq of the exps.
+  auto dq_out = [&](int step, int hq, int nq) {
+    constexpr int kHalf = kNQ / 2;
+    if constexpr (C::kBulkDQ) {
+      static_assert(kStores % kHalf == 0, "the same number of stores after each column tile");
+#pragma unroll
+      for (int j = 0; j < kStores / kHalf; ++j)
+        if (hq == 0 && step > 0) dq_stage(step & 1, nq * (kStores / kHalf) + j);
+    } else {
+      static_assert(kAtomics % kNQ == 0, "the same number of atomics after each column tile");
+#pragma unroll
+      for (int j = 0; j < kAtomics / kNQ; ++j)
+        if (step > 0) dq_add((hq * kHalf + nq) * (kAtomics / kNQ) + j);
     }
   };
 
@@ -135,10 +145,13 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     // This step's tiles have landed for every thread and, like step-1's dS~^T stores, are visible to
     // the async proxy (one fence per step); every warpgroup is done with step-1, so its dS~^T is
     // complete and the other stage is free.
+    // kBulkDQ: the last bulk reduce has read its staging tile, which this step rewrites.
     cp_async_wait<0>();
+    if (C::kBulkDQ && elected) bulk_wait_read<0>();
     fence_proxy_async();
     __syncthreads();
     const int stage = step & 1, h = cur.h, m0 = cur.m0;
+    if (C::kBulkDQ && elected && step >= 2) dq_reduce(stage ^ 1);
 
     // The previous step's dQ, then S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys x 64
     // queries, all in flight together; the next step's tiles start loading behind them.
@@ -168,7 +181,10 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     // serialises every wgmma of the kernel: it sees accumulators read inside the pipeline stage.)
     wgmma_wait<0>();
     fence_acc(dqa);
-    if (step > 0) dq_rows(prev);
+    if (step > 0) {
+      if constexpr (C::kBulkDQ) dq_at = prev;
+      else dq_rows(prev);
+    }
     fence_acc(sc);
     fence_acc(dp);
 
@@ -183,11 +199,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
       bwd_scores<T, D, kBc, kBr / 2>(p, pol, *reinterpret_cast<float(*)[kHalf][4]>(sc[hq * kHalf]),
                                      *reinterpret_cast<float(*)[kHalf][4]>(dp[hq * kHalf]), vec, vec + kBr,
                                      vec + 2 * kBr, keys, b, h, n0, m0 + hq * kBr / 2, n0 + wkey + g, mask,
-                                     [&](int nq) {
-#pragma unroll
-                                       for (int j = 0; j < 8 / kNQ; ++j)
-                                         if (step > 0) dq_one((hq * kHalf + nq) * (8 / kNQ) + j);
-                                     });
+                                     [&](int nq) { dq_out(step, hq, nq); });
 #pragma unroll
       for (int kq = hq * kHalf / 2; kq < (hq + 1) * kHalf / 2; ++kq) {
         M::c_to_a(pa[kq], sc[2 * kq], sc[2 * kq + 1]);
@@ -209,16 +221,30 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     prev = cur;
     cur = walk.next(cur);
   }
-  if (steps > 0) {
+  if (steps > 0) {  // the last step's dQ
+    if (C::kBulkDQ && elected) bulk_wait_read<0>();
     fence_proxy_async();
     __syncthreads();
+    if (C::kBulkDQ && elected && steps >= 2) dq_reduce((steps - 1) & 1);
     wgmma_fence();
     dq_issue((steps - 1) & 1);
     wgmma_wait<0>();
     fence_acc(dqa);
-    dq_rows(prev);
+    if constexpr (C::kBulkDQ) {
+      dq_at = prev;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) dq_one(i);
+      for (int n = 0; n < kStores; ++n) dq_stage(steps & 1, n);
+      fence_proxy_async();
+      named_sync(2 + wg, 128);  // this warpgroup's stores are in
+      if (elected) {
+        dq_reduce(steps & 1);
+        bulk_wait<0>();
+      }
+    } else {
+      dq_rows(prev);
+#pragma unroll
+      for (int i = 0; i < kAtomics; ++i) dq_add(i);
+    }
   }
   bwd_store_dkdv<T, D>(p, dk, dv, sK, wkey + g, keys, bhk, n0);
 #endif
@@ -230,7 +256,9 @@ cudaError_t Sm90Bwd<T, D>::run(const Params& p, Score score, cudaStream_t stream
   using C = Sm90Bwd<T, D>;
   const int64_t blocks = static_cast<int64_t>(cdiv(p.J, C::kCols)) * p.B * p.Hkv;
   return with_policy(score, [&](auto policy) {
-    return launch(bwd_sm90_kernel<T, D, typename decltype(policy)::type>, blocks, C::kWarps * 32, C::kBytes, p, stream);
+    const cudaError_t err =
+        launch(bwd_sm90_kernel<T, D, typename decltype(policy)::type>, blocks, C::kWarps * 32, C::kBytes, p, stream);
+    return err != cudaSuccess ? err : run_dq_finalize(dtype_of<T>(), p, D, C::kBulkDQ, stream);
   });
 }
 

@@ -108,6 +108,15 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x on the SFU; ex2(-inf) = 
 }
 
 // fp32 atomics of two neighbouring floats (one vector reduction on sm_90).
+// The Hopper backward's dQ sums come in tiles of 64 query rows x D, each laid out as its two
+// warpgroups hold them ([warpgroup][column tile n][thread][4], the m64 accumulator's registers), so
+// that a step's tile goes to shared memory with conflict-free 16-byte stores and to global memory
+// with one bulk reduce per warpgroup. Offset of (row t, column c) from the head's first tile:
+__host__ __device__ __forceinline__ int64_t dq_tile_offset(int t, int c, int D) {
+  const int half = D / 2, r = t % 64, wg = c / half, cc = c % half;
+  const int thread = r / 16 * 32 + r % 8 * 4 + cc % 8 / 2, e = r / 8 % 2 * 2 + cc % 2;
+  return static_cast<int64_t>(t / 64) * 64 * D + ((wg * (half / 8) + cc / 8) * 128 + thread) * 4 + e;
+}
 __device__ __forceinline__ void red_add2(float* p, float a, float b) {
 #if __CUDA_ARCH__ >= 900
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");

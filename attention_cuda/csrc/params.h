@@ -53,7 +53,7 @@ struct Params {
 
   const void* dout;   // (B,H,I,D) contiguous
   float* delta;       // (B,H,i_pad): rowsum(dO * O) when normalising, else 0
-  float* dq_accum;    // (B,H,I,D) fp32, zero on entry: sum over key tiles of dS K; then one scratch row
+  float* dq_accum;    // (B,H,I,D) fp32 rows, or 64-row tiles (dq_tile_offset), zero on entry: sum of dS K
   void *dq, *dk, *dv; // dq (B,H,I,D), dk and dv (B,Hkv,J,D), contiguous
   void* dbias;        // (B,H,I,J) contiguous, zero on entry; null when no gradient is wanted
 };
@@ -95,8 +95,9 @@ cudaError_t run_row_rnorm(Dtype dtype, const void* x, int64_t sb, int64_t sh, in
                           int D, int n_pad, float* out, cudaStream_t stream);
 // delta = rowsum(dO * O) (0 when not normalising), into p.delta.
 cudaError_t run_delta(Dtype dtype, const Params& p, int D, cudaStream_t stream);
-// dq = c (U - rq^2 (q.U) q) from U = p.dq_accum (or c U without qk norm), into p.dq.
-cudaError_t run_dq_finalize(Dtype dtype, const Params& p, int D, cudaStream_t stream);
+// dq = c (U - rq^2 (q.U) q) from U = p.dq_accum (or c U without qk norm), into p.dq; U in rows, or in the
+// Hopper backward's tiles (`tiles`, dq_tile_offset). Each backward runs it after its kernel.
+cudaError_t run_dq_finalize(Dtype dtype, const Params& p, int D, bool tiles, cudaStream_t stream);
 
 // The linear form's row passes (aux.cu), between natural (B,H,n,D) rows (contiguous unless strides are
 // given) and chunk-major (B, n_pad / kLinChunk, H, kLinChunk, W) ones whose row t holds row t - shift.

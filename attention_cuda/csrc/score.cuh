@@ -64,6 +64,11 @@ __device__ __forceinline__ float bias_at(const Params& p, const T* bias_bh, int 
 
 __host__ __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
 
+template <class T>
+constexpr Dtype dtype_of() {
+  return sizeof(T) == 4 ? Dtype::kF32 : std::is_same_v<T, __half> ? Dtype::kF16 : Dtype::kBF16;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Host side. f(PolicyTag<P>{}) for the score policy P that `score` names: the forward and the backward
 // pick their kernel instantiation the same way.
