@@ -96,7 +96,8 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
   // memory barrier that holds every thread until its atomics have drained. kBulkDQ: the accumulator
   // goes to a staging tile in shared memory (16-byte stores during the first half's exps) and, after
   // the next step's barrier, one elected thread per warpgroup adds it to dq_accum's tiles with a bulk
-  // reduce (the TMA unit): 10% faster at d128, but 17% slower at d64, where the atomics overlap.
+  // reduce (the TMA unit): 10-12% faster at d128, but 17-23% slower at d64, where the atomics hide
+  // behind the rest of the step.
   constexpr int kAtomics = kDQ / 4, kStores = kDQ / 8;  // per thread and step
   float* const dq_scratch = p.dq_accum + static_cast<int64_t>(p.B) * p.H * p.I * D;
   float* dq_ptr[2];  // atomics: this thread's two rows, at its first column

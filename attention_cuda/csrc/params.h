@@ -53,7 +53,7 @@ struct Params {
 
   const void* dout;   // (B,H,I,D) contiguous
   float* delta;       // (B,H,i_pad): rowsum(dO * O) when normalising, else 0
-  float* dq_accum;    // (B,H,I,D) fp32 rows, or 64-row tiles (dq_tile_offset), zero on entry: sum of dS K
+  float* dq_accum;    // fp32, zero on entry: sum of dS K as (B,H,I,D) rows (+ a scratch row) or 64-row tiles
   void *dq, *dk, *dv; // dq (B,H,I,D), dk and dv (B,Hkv,J,D), contiguous
   void* dbias;        // (B,H,I,J) contiguous, zero on entry; null when no gradient is wanted
 };
