@@ -100,7 +100,8 @@ template <class T, bool kTiles>
 __global__ void dq_finalize_kernel(const Params p, int D) {
   const int bh = blockIdx.x, lane = threadIdx.x % 32;
   const T* q = static_cast<const T*>(p.q) + (bh / p.H) * p.q_sb + (bh % p.H) * p.q_sh;
-  const float* u = p.dq_accum + static_cast<int64_t>(bh) * (kTiles ? (p.I + 63) / 64 * 64 : p.I) * D;
+  const int rows = kTiles ? (p.I + kDqTileRows - 1) / kDqTileRows * kDqTileRows : p.I;
+  const float* u = p.dq_accum + static_cast<int64_t>(bh) * rows * D;
   T* dq = static_cast<T*>(p.dq) + static_cast<int64_t>(bh) * p.I * D;
   // U's pair d of rows t0 .. (clamped like load_rows), in either layout: a tile's pair is adjacent too.
   auto load_u = [&](float2(&b)[kRowsPerWarp], int t0, int d) {

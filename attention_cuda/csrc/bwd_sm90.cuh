@@ -32,7 +32,7 @@ struct Sm90Bwd {
   static constexpr int kK = 0, kV = kTileK, kQ = 2 * kTileK, kDO = kQ + 2 * kTileQ, kDS = kDO + 2 * kTileQ;
   static constexpr int kVec = kDS + 2 * kTileS, kDQS = kVec + 2 * 3 * kRows * 4, kTileDQ = kRows * D * 4;
   static constexpr int kBytes = kDQS + (kBulkDQ ? 2 * kTileDQ : 0) + 1024;
-  static_assert(kRows == 64, "dQ's tiles (dq_tile_offset) are one step of 64 queries");
+  static_assert(kRows == kDqTileRows, "dQ's tiles (dq_tile_offset) are one step of queries");
 };
 
 // dS~^T of this warp's 16 keys from wkey x the step's queries to the step's buffer, for dQ in the next

@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "params.h"
+
 namespace attn {
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
@@ -93,6 +95,9 @@ __device__ __forceinline__ void sts32(uint32_t addr, uint32_t v) {
 __device__ __forceinline__ void sts64(uint32_t addr, uint32_t a, uint32_t b) {
   asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(addr), "r"(a), "r"(b));
 }
+__device__ __forceinline__ void sts128(uint32_t addr, float a, float b, float c, float d) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d));
+}
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
@@ -107,16 +112,18 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x on the SFU; ex2(-inf) = 
   return y;
 }
 
-// fp32 atomics of two neighbouring floats (one vector reduction on sm_90).
-// The Hopper backward's dQ sums come in tiles of 64 query rows x D, each laid out as its two
-// warpgroups hold them ([warpgroup][column tile n][thread][4], the m64 accumulator's registers), so
-// that a step's tile goes to shared memory with conflict-free 16-byte stores and to global memory
+// The Hopper backward's dQ sums come in tiles of kDqTileRows (64) query rows x D, each laid out as its
+// two warpgroups hold them ([warpgroup][column tile n][thread][4], the m64 accumulator's registers),
+// so that a step's tile goes to shared memory with conflict-free 16-byte stores and to global memory
 // with one bulk reduce per warpgroup. Offset of (row t, column c) from the head's first tile:
 __host__ __device__ __forceinline__ int64_t dq_tile_offset(int t, int c, int D) {
-  const int half = D / 2, r = t % 64, wg = c / half, cc = c % half;
+  static_assert(kDqTileRows == 64, "four warps of 16 rows");
+  const int half = D / 2, r = t % kDqTileRows, wg = c / half, cc = c % half;
   const int thread = r / 16 * 32 + r % 8 * 4 + cc % 8 / 2, e = r / 8 % 2 * 2 + cc % 2;
-  return static_cast<int64_t>(t / 64) * 64 * D + ((wg * (half / 8) + cc / 8) * 128 + thread) * 4 + e;
+  const int64_t tile = static_cast<int64_t>(t / kDqTileRows) * kDqTileRows * D;
+  return tile + ((wg * (half / 8) + cc / 8) * 128 + thread) * 4 + e;
 }
+// fp32 atomics of two neighbouring floats (one vector reduction on sm_90).
 __device__ __forceinline__ void red_add2(float* p, float a, float b) {
 #if __CUDA_ARCH__ >= 900
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");

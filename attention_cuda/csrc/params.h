@@ -22,6 +22,8 @@ enum class Score {
 inline int pad4(int n) { return (n + 3) / 4 * 4; }
 
 constexpr float kNormEps = 1e-12f;  // same clamp as torch.nn.functional.normalize
+// Query rows per tile of dq_accum in the Hopper backward's layout (dq_tile_offset, mma.cuh).
+constexpr int kDqTileRows = 64;
 
 struct Params {
   int B, H, Hkv, I, J;
@@ -53,7 +55,7 @@ struct Params {
 
   const void* dout;   // (B,H,I,D) contiguous
   float* delta;       // (B,H,i_pad): rowsum(dO * O) when normalising, else 0
-  float* dq_accum;    // fp32, zero on entry: sum of dS K as (B,H,I,D) rows (+ a scratch row) or 64-row tiles
+  float* dq_accum;    // fp32, zero on entry: sum of dS K as (B,H,I,D) rows (+ a scratch row) or tiles
   void *dq, *dk, *dv; // dq (B,H,I,D), dk and dv (B,Hkv,J,D), contiguous
   void* dbias;        // (B,H,I,J) contiguous, zero on entry; null when no gradient is wanted
 };
