@@ -26,13 +26,17 @@ struct Sm90Bwd {
   static constexpr bool kBulkDQ = D > 64;
   static constexpr int kTileK = kCols * D * sizeof(T), kTileQ = kRows * D * sizeof(T);
   static constexpr int kTileS = kCols * kRows * sizeof(T);
-  // K | V | 2 x Q | 2 x dO | 2 x dS~^T | 2 x (stat, delta, 1/|q|) | with kBulkDQ 2 x dQ (fp32,
+  // K | V | 2 x Q | 2 x dO | 2 x dS~^T | 2 x (stat, delta, 1/|q|) | with kBulkDQ one dQ tile (fp32,
   // dq_tile_offset's order), every tile 1024-byte aligned (the swizzle pattern's period), plus the
-  // slack to align the dynamic shared memory's start.
+  // slack to align the dynamic shared memory's start. One dQ tile keeps d128 (199,168 bytes) within
+  // the 196 KB shared-memory carve-out, which leaves L1 60 KB for the kernel's spills; two tiles need
+  // the 228 KB one, which leaves 28 KB (H200, b1 h32 8192: 7.27 ms with two tiles, 7.09 with one, 7.91
+  // with one under the 228 KB carve-out; bench/NOTES.md run 18).
   static constexpr int kK = 0, kV = kTileK, kQ = 2 * kTileK, kDO = kQ + 2 * kTileQ, kDS = kDO + 2 * kTileQ;
   static constexpr int kVec = kDS + 2 * kTileS, kDQS = kVec + 2 * 3 * kRows * 4, kTileDQ = kRows * D * 4;
-  static constexpr int kBytes = kDQS + (kBulkDQ ? 2 * kTileDQ : 0) + 1024;
+  static constexpr int kBytes = kDQS + (kBulkDQ ? kTileDQ : 0) + 1024;
   static_assert(kRows == kDqTileRows, "dQ's tiles (dq_tile_offset) are one step of queries");
+  static_assert(!kSupported || kBytes + 1024 <= 196 * 1024, "the 196 KB carve-out, with the 1 KB the system reserves");
 };
 
 // dS~^T of this warp's 16 keys from wkey x the step's queries to the step's buffer, for dQ in the next
@@ -116,12 +120,16 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
   const uint32_t s_dq = s0 + C::kDQS + (wg * kStores * 128 + threadIdx.x % 128) * 16;
   const bool elected = threadIdx.x % 128 == 0;
   Pos dq_at = cur;  // kBulkDQ: the queries whose dQ the staging tile written last step holds
-  auto dq_stage = [&](int buf, int n) {
-    sts128(s_dq + buf * C::kTileDQ + n * 128 * 16, dqa[n][0], dqa[n][1], dqa[n][2], dqa[n][3]);
+  auto dq_stage = [&](int n) {
+    if (n == 0) {  // the warpgroup's last reduce has read the tile
+      if (elected) bulk_wait_read<0>();
+      named_sync(2 + wg, 128);
+    }
+    sts128(s_dq + n * 128 * 16, dqa[n][0], dqa[n][1], dqa[n][2], dqa[n][3]);
   };
-  auto dq_reduce = [&](int buf) {  // the elected thread, after a proxy fence and barrier
+  auto dq_reduce = [&]() {  // the elected thread, after a proxy fence and barrier
     float* dst = p.dq_accum + (static_cast<int64_t>(b * p.H + dq_at.h) * cdiv(p.I, kBr) + dq_at.m0 / kBr) * kBr * D;
-    bulk_reduce_add(dst + wg * kBr * kDQ, s0 + C::kDQS + buf * C::kTileDQ + wg * kBr * kDQ * 4, kBr * kDQ * 4);
+    bulk_reduce_add(dst + wg * kBr * kDQ, s0 + C::kDQS + wg * kBr * kDQ * 4, kBr * kDQ * 4);
     bulk_commit();
   };
   // After column tile nq of half hq of the exps.
@@ -131,7 +139,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
       static_assert(kStores % kHalf == 0, "the same number of stores after each column tile");
 #pragma unroll
       for (int j = 0; j < kStores / kHalf; ++j)
-        if (hq == 0 && step > 0) dq_stage(step & 1, nq * (kStores / kHalf) + j);
+        if (hq == 0 && step > 0) dq_stage(nq * (kStores / kHalf) + j);
     } else {
       static_assert(kAtomics % kNQ == 0, "the same number of atomics after each column tile");
 #pragma unroll
@@ -146,13 +154,11 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     // This step's tiles have landed for every thread and, like step-1's dS~^T stores, are visible to
     // the async proxy (one fence per step); every warpgroup is done with step-1, so its dS~^T is
     // complete and the other stage is free.
-    // kBulkDQ: the last bulk reduce has read its staging tile, which this step rewrites.
     cp_async_wait<0>();
-    if (C::kBulkDQ && elected) bulk_wait_read<0>();
     fence_proxy_async();
     __syncthreads();
     const int stage = step & 1, h = cur.h, m0 = cur.m0;
-    if (C::kBulkDQ && elected && step >= 2) dq_reduce(stage ^ 1);
+    if (C::kBulkDQ && elected && step >= 2) dq_reduce();
 
     // The previous step's dQ, then S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys x 64
     // queries, all in flight together; the next step's tiles start loading behind them.
@@ -223,10 +229,9 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     cur = walk.next(cur);
   }
   if (steps > 0) {  // the last step's dQ
-    if (C::kBulkDQ && elected) bulk_wait_read<0>();
     fence_proxy_async();
     __syncthreads();
-    if (C::kBulkDQ && elected && steps >= 2) dq_reduce((steps - 1) & 1);
+    if (C::kBulkDQ && elected && steps >= 2) dq_reduce();
     wgmma_fence();
     dq_issue((steps - 1) & 1);
     wgmma_wait<0>();
@@ -234,11 +239,11 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     if constexpr (C::kBulkDQ) {
       dq_at = prev;
 #pragma unroll
-      for (int n = 0; n < kStores; ++n) dq_stage(steps & 1, n);
+      for (int n = 0; n < kStores; ++n) dq_stage(n);
       fence_proxy_async();
       named_sync(2 + wg, 128);  // this warpgroup's stores are in
       if (elected) {
-        dq_reduce(steps & 1);
+        dq_reduce();
         bulk_wait<0>();
       }
     } else {
