@@ -54,6 +54,14 @@ __device__ __forceinline__ void fwd_scores(const Params& p, const Policy& pol, f
   for (int nc = 0; nc < kNC; ++nc)
     kr[nc] = has_rk ? *reinterpret_cast<const float2*>(rk_tile + nc * 8 + 2 * tq) : make_float2(1.f, 1.f);
   auto scale_of = [&](int mt, int nc, int e) { return rs[mt][e >> 1] * ((e & 1) ? kr[nc].y : kr[nc].x); };
+  auto each_score = [&](auto&& f) {  // f(score, mt, nc, e) for each of the thread's scores
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int nc = 0; nc < kNC; ++nc)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f(s[mt][nc][e], mt, nc, e);
+  };
 
   const bool edge = n0 + kBc > p.J || br0 + kBr > p.I || mask != nullptr ||
                     (p.causal && n0 + kBc - 1 > br0 + p.J - p.I);
@@ -62,12 +70,7 @@ __device__ __forceinline__ void fwd_scores(const Params& p, const Policy& pol, f
   if constexpr (!Policy::kRowMax) {
     if (!edge && !bias) {  // the common case, fused: no hidden pair, no bias
       if constexpr (Policy::kExp) {  // A = exp2(s * scale - shift)
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-          for (int nc = 0; nc < kNC; ++nc)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[mt][nc][e] = ex2(fmaf(s[mt][nc][e], scale_of(mt, nc, e), -pol.shift));
+        each_score([&](float& x, int mt, int nc, int e) { x = ex2(fmaf(x, scale_of(mt, nc, e), -pol.shift)); });
       } else if (!has_rk) {
         // The polynomial with one scale c per row: a0 + a1 (c s) + a2 (c s)^2 = a0 + s (a1 c + a2 c^2 s),
         // two FMAs per score with the row's coefficients.
@@ -83,12 +86,7 @@ __device__ __forceinline__ void fwd_scores(const Params& p, const Policy& pol, f
               s[mt][nc][e] = fmaf(s[mt][nc][e], fmaf(b2[e >> 1], s[mt][nc][e], b1[e >> 1]), pol.a0);
         }
       } else {
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-          for (int nc = 0; nc < kNC; ++nc)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[mt][nc][e] = pol.weight(s[mt][nc][e] * scale_of(mt, nc, e));
+        each_score([&](float& x, int mt, int nc, int e) { x = pol.weight(x * scale_of(mt, nc, e)); });
       }
       fused = true;
     }
@@ -96,33 +94,18 @@ __device__ __forceinline__ void fwd_scores(const Params& p, const Policy& pol, f
   if (!fused) {
     // Logits y, with hidden pairs set to -inf. Only tiles that cut a sequence end, the causal
     // diagonal or a key mask test visibility per element; only bias loads the bias.
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int nc = 0; nc < kNC; ++nc)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][nc][e] *= scale_of(mt, nc, e);
+    each_score([&](float& x, int mt, int nc, int e) { x *= scale_of(mt, nc, e); });
     if (edge) {
       const uint32_t cols = visible_cols<kNC>(p, mask, n0 + 2 * tq);
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int nc = 0; nc < kNC; ++nc)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (!(cols >> (2 * nc + (e & 1)) & 1) || nc * 8 + 2 * tq + (e & 1) > last[mt][e >> 1] - n0)
-              s[mt][nc][e] = -INFINITY;
+      each_score([&](float& x, int mt, int nc, int e) {
+        if (!(cols >> (2 * nc + (e & 1)) & 1) || nc * 8 + 2 * tq + (e & 1) > last[mt][e >> 1] - n0) x = -INFINITY;
+      });
     }
     if (bias) {
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int nc = 0; nc < kNC; ++nc)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (s[mt][nc][e] != -INFINITY)
-              s[mt][nc][e] = fmaf(p.beta, bias_at(p, bias, row0 + mt * 16 + g + 8 * (e >> 1),
-                                                  n0 + nc * 8 + 2 * tq + (e & 1)), s[mt][nc][e]);
+      each_score([&](float& x, int mt, int nc, int e) {
+        if (x != -INFINITY)
+          x = fmaf(p.beta, bias_at(p, bias, row0 + mt * 16 + g + 8 * (e >> 1), n0 + nc * 8 + 2 * tq + (e & 1)), x);
+      });
     }
     if constexpr (Policy::kRowMax) {
 #pragma unroll
@@ -146,15 +129,9 @@ __device__ __forceinline__ void fwd_scores(const Params& p, const Policy& pol, f
             for (int c = 0; c < 2; ++c) s[mt][nc][2 * hf + c] = ex2(s[mt][nc][2 * hf + c] - base);
         }
     } else {
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int nc = 0; nc < kNC; ++nc)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float y = s[mt][nc][e];
-            s[mt][nc][e] = Policy::kExp || y != -INFINITY ? pol.weight(y) : 0.f;  // exp2(-inf) is 0 already
-          }
+      each_score([&](float& y, int, int, int) {
+        y = Policy::kExp || y != -INFINITY ? pol.weight(y) : 0.f;  // exp2(-inf) is 0 already
+      });
     }
   }
 }
