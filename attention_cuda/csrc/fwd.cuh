@@ -74,17 +74,15 @@ __device__ __forceinline__ void fwd_scores(const Params& p, const Policy& pol, f
       } else if (!has_rk) {
         // The polynomial with one scale c per row: a0 + a1 (c s) + a2 (c s)^2 = a0 + s (a1 c + a2 c^2 s),
         // two FMAs per score with the row's coefficients.
+        float b1[kMT][2], b2[kMT][2];
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          float b1[2], b2[2];
+        for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-          for (int hf = 0; hf < 2; ++hf) b1[hf] = pol.a1 * rs[mt][hf], b2[hf] = pol.a2 * rs[mt][hf] * rs[mt][hf];
-#pragma unroll
-          for (int nc = 0; nc < kNC; ++nc)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              s[mt][nc][e] = fmaf(s[mt][nc][e], fmaf(b2[e >> 1], s[mt][nc][e], b1[e >> 1]), pol.a0);
-        }
+          for (int hf = 0; hf < 2; ++hf)
+            b1[mt][hf] = pol.a1 * rs[mt][hf], b2[mt][hf] = pol.a2 * rs[mt][hf] * rs[mt][hf];
+        each_score([&](float& x, int mt, int, int e) {
+          x = fmaf(x, fmaf(b2[mt][e >> 1], x, b1[mt][e >> 1]), pol.a0);
+        });
       } else {
         each_score([&](float& x, int mt, int nc, int e) { x = pol.weight(x * scale_of(mt, nc, e)); });
       }
