@@ -108,6 +108,19 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
           sc[nq][e] = fmaf(p.beta, bias_at(p, bias, m0 + nq * 8 + 2 * tq + (e & 1), key0 + 8 * (e >> 1)),
                            sc[nq][e]);
   }
+  // The polynomial, unlike exp2, has no zero at -inf: the hidden pairs are marked here, and their P and
+  // dL/dx set to 0 after the per-element loop, so tiles without edges or bias test nothing per element.
+  uint32_t hidden = 0;
+  if constexpr (!Policy::kExp) {
+    static_assert(kNQ * 4 <= 32, "one bit per score");
+    if (edge || bias) {
+#pragma unroll
+      for (int nq = 0; nq < kNQ; ++nq)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (sc[nq][e] == -INFINITY) hidden |= 1u << (4 * nq + e);
+    }
+  }
   if (kShift && (edge || bias)) {
 #pragma unroll
     for (int nq = 0; nq < kNQ; ++nq)
@@ -138,14 +151,17 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float y = sc[nq][e], stat = (e & 1) ? stat2.y : stat2.x, delta = (e & 1) ? delta2.y : delta2.x;
-      float ds = pol.dlogit(P[e], y, dp[nq][e] - delta, stat);
-      if constexpr (!Policy::kExp) {  // exp2 gives 0 at -inf by itself; the polynomial does not
-        if (y == -INFINITY) P[e] = 0.f, ds = 0.f;
-      }
+      dp[nq][e] = pol.dlogit(P[e], y, dp[nq][e] - delta, stat);
       sc[nq][e] = P[e];
-      dp[nq][e] = ds;
     }
     after_tile(nq);
+  }
+  if (hidden) {
+#pragma unroll
+    for (int nq = 0; nq < kNQ; ++nq)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (hidden >> (4 * nq + e) & 1) sc[nq][e] = 0.f, dp[nq][e] = 0.f;
   }
   if (p.dbias) {
     T* dbias = static_cast<T*>(p.dbias) + static_cast<int64_t>(b * p.H + h) * p.I * p.J;
