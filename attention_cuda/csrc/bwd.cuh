@@ -73,6 +73,13 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
     return make_float2(p.alpha * rq2.x, p.alpha * rq2.y);
   };
   auto scale_of = [&](float2 arq2, int e) { return ((e & 1) ? arq2.y : arq2.x) * keys.rk[e >> 1]; };
+  auto each_score = [&](auto&& f) {  // f(nq, e) for each of the thread's scores
+#pragma unroll
+    for (int nq = 0; nq < kNQ; ++nq)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f(nq, e);
+  };
+  auto query_of = [&](int nq, int e) { return m0 + nq * 8 + 2 * tq + (e & 1); };
   constexpr bool kShift = Policy::kExp && !Policy::kRowMax;
   constexpr bool kKeepRa = D <= 64;  // the scales per element stay in registers where they fit
   const bool edge = n0 + kBc > p.J || m0 + kBr > p.I || mask != nullptr || (p.causal && n0 + kBc - 1 > m0 + p.J - p.I);
@@ -91,22 +98,16 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
     }
   }
   if (edge) {
-#pragma unroll
-    for (int nq = 0; nq < kNQ; ++nq)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int t = m0 + nq * 8 + 2 * tq + (e & 1);
-        if (!keys.kept[e >> 1] || t < keys.first_q[e >> 1] || t >= p.I) sc[nq][e] = -INFINITY;
-      }
+    each_score([&](int nq, int e) {
+      const int t = query_of(nq, e);
+      if (!keys.kept[e >> 1] || t < keys.first_q[e >> 1] || t >= p.I) sc[nq][e] = -INFINITY;
+    });
   }
   if (bias) {
-#pragma unroll
-    for (int nq = 0; nq < kNQ; ++nq)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (sc[nq][e] != -INFINITY)
-          sc[nq][e] = fmaf(p.beta, bias_at(p, bias, m0 + nq * 8 + 2 * tq + (e & 1), key0 + 8 * (e >> 1)),
-                           sc[nq][e]);
+    each_score([&](int nq, int e) {
+      if (sc[nq][e] != -INFINITY)
+        sc[nq][e] = fmaf(p.beta, bias_at(p, bias, query_of(nq, e), key0 + 8 * (e >> 1)), sc[nq][e]);
+    });
   }
   // The polynomial, unlike exp2, has no zero at -inf: the hidden pairs are marked here, and their P and
   // dL/dx set to 0 after the per-element loop, so tiles without edges or bias test nothing per element.
@@ -114,19 +115,12 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
   if constexpr (!Policy::kExp) {
     static_assert(kNQ * 4 <= 32, "one bit per score");
     if (edge || bias) {
-#pragma unroll
-      for (int nq = 0; nq < kNQ; ++nq)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (sc[nq][e] == -INFINITY) hidden |= 1u << (4 * nq + e);
+      each_score([&](int nq, int e) {
+        if (sc[nq][e] == -INFINITY) hidden |= 1u << (4 * nq + e);
+      });
     }
   }
-  if (kShift && (edge || bias)) {
-#pragma unroll
-    for (int nq = 0; nq < kNQ; ++nq)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc[nq][e] -= p.shift;
-  }
+  if (kShift && (edge || bias)) each_score([&](int nq, int e) { sc[nq][e] -= p.shift; });
   // P and dL/dx per element; dL/dx is also d(loss)/d(bias) for the rare dbias store, before it is
   // scaled into dS~ (a separate loop keeps the store's index tests off the common path).
 #pragma unroll
@@ -157,21 +151,16 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
     after_tile(nq);
   }
   if (hidden) {
-#pragma unroll
-    for (int nq = 0; nq < kNQ; ++nq)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (hidden >> (4 * nq + e) & 1) sc[nq][e] = 0.f, dp[nq][e] = 0.f;
+    each_score([&](int nq, int e) {
+      if (hidden >> (4 * nq + e) & 1) sc[nq][e] = 0.f, dp[nq][e] = 0.f;
+    });
   }
   if (p.dbias) {
     T* dbias = static_cast<T*>(p.dbias) + static_cast<int64_t>(b * p.H + h) * p.I * p.J;
-#pragma unroll
-    for (int nq = 0; nq < kNQ; ++nq)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int t = m0 + nq * 8 + 2 * tq + (e & 1), s = key0 + 8 * (e >> 1);
-        if (t < p.I && s < p.J) dbias[static_cast<int64_t>(t) * p.J + s] = Elem<T>::from_float(dp[nq][e]);
-      }
+    each_score([&](int nq, int e) {
+      const int t = query_of(nq, e), s = key0 + 8 * (e >> 1);
+      if (t < p.I && s < p.J) dbias[static_cast<int64_t>(t) * p.J + s] = Elem<T>::from_float(dp[nq][e]);
+    });
   }
 #pragma unroll
   for (int nq = 0; nq < kNQ; ++nq) {
@@ -184,7 +173,6 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
       for (int e = 0; e < 4; ++e) dp[nq][e] *= scale_of(arq2, e);
     }
   }
-
 }
 
 // dK = c (W - rk^2 (k.W) k) (the l2norm's backward, from the raw k rows still in shared memory; it
