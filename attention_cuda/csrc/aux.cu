@@ -100,7 +100,7 @@ template <class T, bool kTiles>
 __global__ void dq_finalize_kernel(const Params p, int D) {
   const int bh = blockIdx.x, lane = threadIdx.x % 32;
   const T* q = static_cast<const T*>(p.q) + (bh / p.H) * p.q_sb + (bh % p.H) * p.q_sh;
-  const int rows = kTiles ? (p.I + kDqTileRows - 1) / kDqTileRows * kDqTileRows : p.I;
+  const int rows = kTiles ? dq_tiled_rows(p.I) : p.I;
   const float* u = p.dq_accum + static_cast<int64_t>(bh) * rows * D;
   T* dq = static_cast<T*>(p.dq) + static_cast<int64_t>(bh) * p.I * D;
   // U's pair d of rows t0 .. (clamped like load_rows), in either layout: a tile's pair is adjacent too.
@@ -385,6 +385,10 @@ cudaError_t run_delta(Dtype dtype, const Params& p, int D, cudaStream_t stream) 
     delta_kernel<decltype(tag)><<<row_grid(p.B * p.H, p.i_pad), kWarps * 32, 0, stream>>>(p, D);
     return cudaGetLastError();
   });
+}
+
+int64_t dq_accum_size(int B, int H, int I, int D) {
+  return static_cast<int64_t>(B) * H * dq_tiled_rows(I) * D + D;
 }
 
 cudaError_t run_dq_finalize(Dtype dtype, const Params& p, int D, bool tiles, cudaStream_t stream) {

@@ -229,10 +229,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_bwd(const Tensor& dout, const Te
   const Tensor dout_c = dout.contiguous(), out_c = out.contiguous(), stat_c = stat.contiguous();
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor delta = at::empty({c.B, c.H, p.i_pad}, f32);
-  // Room for rows plus the scratch row that takes the Hopper backward's atomics for rows past I (so
-  // that they need no branch), or for 64-row tiles (params.h: each backward kernel has its layout).
-  const int64_t tile_rows = (c.I + attn::kDqTileRows - 1) / attn::kDqTileRows * attn::kDqTileRows;
-  Tensor dq_accum = at::zeros({static_cast<int64_t>(c.B) * c.H * tile_rows * c.D + c.D}, f32);
+  Tensor dq_accum = at::zeros({attn::dq_accum_size(c.B, c.H, c.I, c.D)}, f32);
   Tensor dq = at::empty({c.B, c.H, c.I, c.D}, q.options());
   Tensor dk = at::empty({c.B, c.Hkv, c.J, c.D}, q.options());
   Tensor dv = at::empty({c.B, c.Hkv, c.J, c.D}, q.options());

@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     sts128(s_dq + n * 128 * 16, dqa[n][0], dqa[n][1], dqa[n][2], dqa[n][3]);
   };
   auto dq_reduce = [&]() {  // the elected thread, after a proxy fence and barrier
-    float* dst = p.dq_accum + (static_cast<int64_t>(b * p.H + dq_at.h) * cdiv(p.I, kBr) + dq_at.m0 / kBr) * kBr * D;
+    float* dst = p.dq_accum + (static_cast<int64_t>(b * p.H + dq_at.h) * dq_tiled_rows(p.I) + dq_at.m0) * D;
     bulk_reduce_add(dst + wg * kBr * kDQ, s0 + C::kDQS + wg * kBr * kDQ * 4, kBr * kDQ * 4);
     bulk_commit();
   };

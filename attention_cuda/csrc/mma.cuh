@@ -123,6 +123,10 @@ __host__ __device__ __forceinline__ int64_t dq_tile_offset(int t, int c, int D) 
   const int64_t tile = static_cast<int64_t>(t / kDqTileRows) * kDqTileRows * D;
   return tile + ((wg * (half / 8) + cc / 8) * 128 + thread) * 4 + e;
 }
+// A head's rows in that layout: I rounded up to whole tiles.
+__host__ __device__ __forceinline__ int dq_tiled_rows(int I) {
+  return (I + kDqTileRows - 1) / kDqTileRows * kDqTileRows;
+}
 // fp32 atomics of two neighbouring floats (one vector reduction on sm_90).
 __device__ __forceinline__ void red_add2(float* p, float a, float b) {
 #if __CUDA_ARCH__ >= 900

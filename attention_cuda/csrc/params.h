@@ -100,6 +100,9 @@ cudaError_t run_delta(Dtype dtype, const Params& p, int D, cudaStream_t stream);
 // dq = c (U - rq^2 (q.U) q) from U = p.dq_accum (or c U without qk norm), into p.dq; U in rows, or in the
 // Hopper backward's tiles (`tiles`, dq_tile_offset). Each backward runs it after its kernel.
 cudaError_t run_dq_finalize(Dtype dtype, const Params& p, int D, bool tiles, cudaStream_t stream);
+// Size of dq_accum (fp32 elements) for either backward's layout: rows plus the scratch row that takes
+// the Hopper backward's atomics for rows past I (so that they need no branch), or whole 64-row tiles.
+int64_t dq_accum_size(int B, int H, int I, int D);
 
 // The linear form's row passes (aux.cu), between natural (B,H,n,D) rows (contiguous unless strides are
 // given) and chunk-major (B, n_pad / kLinChunk, H, kLinChunk, W) ones whose row t holds row t - shift.
