@@ -36,6 +36,25 @@ bool find_kernels(Dtype dtype, int head_dim, FwdFn* fwd, BwdFn* bwd, LinFn* lin)
   return true;
 }
 
+namespace {
+std::map<std::pair<int, int>, std::pair<LinStateFn, LinReadFn>>& chunked_registry() {
+  static std::map<std::pair<int, int>, std::pair<LinStateFn, LinReadFn>> r;
+  return r;
+}
+}  // namespace
+
+bool register_chunked(Dtype dtype, int head_dim, LinStateFn state, LinReadFn read) {
+  chunked_registry()[{static_cast<int>(dtype), head_dim}] = {state, read};
+  return true;
+}
+
+bool find_chunked(Dtype dtype, int head_dim, LinStateFn* state, LinReadFn* read) {
+  auto it = chunked_registry().find({static_cast<int>(dtype), head_dim});
+  if (it == chunked_registry().end() || !use_sm90()) return false;
+  std::tie(*state, *read) = it->second;
+  return true;
+}
+
 bool use_sm90() {
   const char* portable = std::getenv("ATTN_PORTABLE_KERNELS");  // read per call: tests flip it in-process
   if (portable && *portable && std::string(portable) != "0") return false;
@@ -289,6 +308,94 @@ std::tuple<Tensor, Tensor> attn_linear(const Tensor& ux, const Tensor& uw, const
   return {r1, r2};
 }
 
+// The chunked Hopper linear form (lin_sm90.cuh) over chunk-major (B, chunks, heads, L, D + 16) tensors.
+attn::Dtype chunked_kernels(const Tensor& x, attn::LinStateFn* state, attn::LinReadFn* read, const char* op) {
+  attn::Dtype dtype;
+  TORCH_CHECK(x.dim() == 5, "attn_cuda: ", op, ": expected chunk-major (B, chunks, heads, L, D + 16) rows, got ",
+              x.sizes());
+  const int D = static_cast<int>(x.size(4)) - 16;
+  TORCH_CHECK(x.is_cuda() && x.is_contiguous() && kernel_dtype(x.scalar_type(), &dtype) &&
+                  attn::find_chunked(dtype, D, state, read),
+              "attn_cuda: ", op, ": no chunked linear-form kernel for ", x.scalar_type(), ", ", x.sizes(),
+              " on this device (see chunked_head_dims)");
+  return dtype;
+}
+
+// Image bytes per (batch, kv head, chunk): tiles of 64 features x (D + 8 rounded up to 32) columns.
+int64_t chunked_image_bytes(int64_t D, bool second) {
+  const int64_t nb = D / 16, groups = nb + 1 + (second ? 16 * nb * (nb + 1) / 2 : 0);
+  return (groups + 3) / 4 * ((D + 8 + 31) / 32) * 64 * 64;
+}
+
+// S per chunk of the rows x (features) and w (weights), heads rows' heads summed per kv head; image
+// (B, Hkv, causal ? chunks : 1, bytes) uint8. scale: one fp32, the power of two S is stored at.
+Tensor attn_lin_state(const Tensor& x, const Tensor& w, int64_t heads, bool causal, bool reverse, bool second,
+                      at::ArrayRef<double> coef, const Tensor& scale) {
+  attn::LinStateFn state;
+  attn::LinReadFn read;
+  chunked_kernels(x, &state, &read, "lin_state");
+  TORCH_CHECK(w.sizes() == x.sizes() && w.scalar_type() == x.scalar_type() && w.is_contiguous() &&
+                  w.device() == x.device() && heads > 0 && x.size(2) % heads == 0 && coef.size() == 3,
+              "attn_cuda: lin_state: w must be like x, heads divide x's heads, coef is (c0, c1, c2)");
+  TORCH_CHECK(scale.is_cuda() && scale.scalar_type() == at::kFloat && scale.numel() == 1,
+              "attn_cuda: lin_state: scale is one fp32 on the device");
+  const c10::cuda::CUDAGuard guard(x.device());
+  attn::LinStateParams p{};
+  p.B = x.size(0), p.chunks = x.size(1), p.Hkv = x.size(2) / heads, p.L = x.size(3), p.heads = heads;
+  p.x = x.data_ptr(), p.w = w.data_ptr();
+  p.causal = causal, p.reverse = reverse, p.second = second;
+  for (int i = 0; i < 3; ++i) p.coef[i] = coef[i];
+  p.scale = scale.data_ptr<float>();
+  Tensor image = at::empty({p.B, p.Hkv, causal ? p.chunks : 1, chunked_image_bytes(x.size(4) - 16, second)},
+                           x.options().dtype(at::kByte));
+  p.image = image.data_ptr();
+  if (p.B * p.Hkv > 0) check_ok(state(p, c10::cuda::getCurrentCUDAStream()), "lin_state kernel");
+  return image;
+}
+
+// Reads of the image by the rows x: r1 = psi(x) S (first r1_cols columns, fp32, D + 16 wide) and, with
+// g, r2 = d psi(x) . S g (fp32, D wide); both divided by scale. heads: readers per kv head.
+std::tuple<Tensor, Tensor> attn_lin_read(const Tensor& x, const optional<Tensor>& g, const Tensor& image,
+                                         int64_t heads, bool second, int64_t r1_cols, const Tensor& scale) {
+  attn::LinStateFn state;
+  attn::LinReadFn read;
+  chunked_kernels(x, &state, &read, "lin_read");
+  const int64_t D = x.size(4) - 16, Hkv = heads > 0 ? x.size(2) / heads : 0;
+  TORCH_CHECK(heads > 0 && x.size(2) % heads == 0 && image.dim() == 4 && image.is_contiguous() &&
+                  image.size(0) == x.size(0) && image.size(1) == Hkv &&
+                  (image.size(2) == x.size(1) || image.size(2) == 1) &&
+                  image.size(3) == chunked_image_bytes(D, second),
+              "attn_cuda: lin_read: image does not match x (", image.sizes(), ")");
+  TORCH_CHECK(!g || (g->sizes() == x.sizes() && g->scalar_type() == x.scalar_type() && g->is_contiguous()),
+              "attn_cuda: lin_read: g must be like x");
+  TORCH_CHECK(r1_cols >= 0 && r1_cols <= D + 8 && (r1_cols > 0 || g), "attn_cuda: lin_read: r1_cols in [0, D + 8], "
+              "and something to read");
+  const c10::cuda::CUDAGuard guard(x.device());
+  attn::LinReadParams p{};
+  p.B = x.size(0), p.chunks = x.size(1), p.Hkv = Hkv, p.L = x.size(3), p.heads = heads;
+  p.x = x.data_ptr(), p.g = g ? g->data_ptr() : nullptr, p.image = image.data_ptr();
+  p.per_chunk = image.size(2) > 1 || x.size(1) == 1, p.second = second, p.r1_cols = r1_cols;
+  p.scale = scale.data_ptr<float>();
+  const auto f32 = x.options().dtype(at::kFloat);
+  Tensor r1 = r1_cols > 0 ? at::empty(x.sizes(), f32) : at::empty({0}, f32);
+  Tensor r2 = g ? at::empty({x.size(0), x.size(1), x.size(2), x.size(3), D}, f32) : at::empty({0}, f32);
+  p.r1 = r1_cols > 0 ? r1.data_ptr<float>() : nullptr;
+  p.r2 = g ? r2.data_ptr<float>() : nullptr;
+  if (p.B * p.chunks * p.Hkv > 0) check_ok(read(p, c10::cuda::getCurrentCUDAStream()), "lin_read kernel");
+  return {r1, r2};
+}
+
+std::vector<int64_t> chunked_head_dims(at::ScalarType dtype) {
+  attn::Dtype d;
+  std::vector<int64_t> dims;
+  attn::LinStateFn state;
+  attn::LinReadFn read;
+  if (kernel_dtype(dtype, &d))
+    for (int64_t D : attn::compiled_head_dims(d))
+      if (attn::find_chunked(d, D, &state, &read)) dims.push_back(D);
+  return dims;
+}
+
 // The linear form's row passes (aux.cu): natural (B, H, n, D) rows <-> chunk-major (B, chunks, H,
 // kLinChunk, W) ones, chunk row t = natural row t - shift.
 attn::Dtype lin_dtype(at::ScalarType t) {
@@ -418,6 +525,11 @@ TORCH_LIBRARY(attn_cuda, m) {
   m.def("lin_g(Tensor dout, Tensor out, Tensor inv_l, Tensor mu, Tensor cmax, int shift) -> (Tensor, Tensor)");
   m.def("lin_grad(Tensor acc, Tensor scale, Tensor? diag, int shift, int n, int dim, ScalarType dtype) -> Tensor");
   m.def("head_dims(ScalarType dtype) -> int[]", &head_dims);
+  m.def("lin_state(Tensor x, Tensor w, int heads, bool causal, bool reverse, bool second, float[] coef, "
+        "Tensor scale) -> Tensor");
+  m.def("lin_read(Tensor x, Tensor? g, Tensor image, int heads, bool second, int r1_cols, Tensor scale) "
+        "-> (Tensor, Tensor)");
+  m.def("chunked_head_dims(ScalarType dtype) -> int[]", &chunked_head_dims);
 }
 
 TORCH_LIBRARY_IMPL(attn_cuda, CUDA, m) {
@@ -428,4 +540,6 @@ TORCH_LIBRARY_IMPL(attn_cuda, CUDA, m) {
   m.impl("lin_out", &attn_lin_out);
   m.impl("lin_g", &attn_lin_g);
   m.impl("lin_grad", &attn_lin_grad);
+  m.impl("lin_state", &attn_lin_state);
+  m.impl("lin_read", &attn_lin_read);
 }

@@ -78,15 +78,41 @@ struct LinParams {
   int parts;                     // set by the launcher: CTAs over the second-order rows (per m-tile)
 };
 
+// The Hopper linear form in chunks with the state written out per chunk (lin_sm90.cuh).
+struct LinStateParams {
+  int B, Hkv, chunks, L, heads;  // heads: the rows' heads per kv head, all summed into one state
+  const void *x, *w;             // chunk-major (B, chunks, Hkv * heads, L, D + 16)
+  void* image;                   // (B, Hkv, causal ? chunks : 1, tiles, kTileBytes)
+  bool causal, reverse, second;
+  float coef[3];                 // (c0, c1, c2) of both sides, multiplied
+  const float* scale;            // one fp32: the power of two the image holds S at (fp16's range)
+};
+
+struct LinReadParams {
+  int B, Hkv, chunks, L, heads;  // heads: the readers' heads per kv head
+  const void *x, *g;             // chunk-major (B, chunks, Hkv * heads, L, D + 16); g for R2
+  const void* image;             // from lin_state
+  bool per_chunk, second;
+  float* r1;                     // (B, chunks, Hkv * heads, L, D + 16) fp32, or null: y = psi(x) S / scale
+  int r1_cols;                   // columns of y written
+  float* r2;                     // (B, chunks, Hkv * heads, L, D) fp32, or null: d psi(x) . S g / scale
+  const float* scale;
+};
+
 using FwdFn = cudaError_t (*)(const Params&, Score, cudaStream_t);
 using BwdFn = cudaError_t (*)(const Params&, Score, cudaStream_t);
 using LinFn = cudaError_t (*)(LinParams, cudaStream_t);
+using LinStateFn = cudaError_t (*)(const LinStateParams&, cudaStream_t);
+using LinReadFn = cudaError_t (*)(const LinReadParams&, cudaStream_t);
 
 // Each compiled (dtype, head dim) registers its kernels at load time; builds may compile a subset. The
 // linear form exists for fp16 and bf16 only (lin is null for fp32).
 bool register_kernels(Dtype dtype, int head_dim, FwdFn fwd, BwdFn bwd, LinFn lin);
 bool find_kernels(Dtype dtype, int head_dim, FwdFn* fwd, BwdFn* bwd, LinFn* lin = nullptr);
 std::vector<int64_t> compiled_head_dims(Dtype dtype);
+// The chunked Hopper linear form, where the build has it (sm_90a, fp16/bf16, d64 and d128).
+bool register_chunked(Dtype dtype, int head_dim, LinStateFn state, LinReadFn read);
+bool find_chunked(Dtype dtype, int head_dim, LinStateFn* state, LinReadFn* read);
 // Whether to run the Hopper (wgmma) kernels where they are built (macro ATTN_SM90A): on a compute
 // capability 9.0 device, unless the environment sets ATTN_PORTABLE_KERNELS=1 (the mma.sync kernels).
 bool use_sm90();
