@@ -14,8 +14,8 @@ pytestmark = pytest.mark.gpu
 def ops():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    import attention_cuda._cuda as cuda_mod
-    if cuda_mod._load() is not None or not torch.ops.attn_cuda.chunked_head_dims(torch.bfloat16):
+    from attention_cuda._cuda import unavailable_reason
+    if unavailable_reason() is not None or not torch.ops.attn_cuda.chunked_head_dims(torch.bfloat16):
         pytest.skip("chunked linear-form kernels not built for this device")
     return torch.ops.attn_cuda
 
