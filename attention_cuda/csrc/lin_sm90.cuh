@@ -46,6 +46,21 @@ struct LinFeatures {
       s -= 16 * per;
     }
   }
+  // The groups in order, one step at a time (readers walk the tiles in order; decode's divisions per group
+  // had made integer arithmetic most of lin_read's instructions). bb = -1 past the last group.
+  struct Cursor {
+    int a = -1, bb = 0, left;
+    __device__ explicit Cursor(bool second) : left(groups(second)) {}
+    __device__ void next() {
+      if (--left <= 0) {
+        bb = -1;
+      } else if (a < 0) {
+        if (++bb == kFirst) a = 0, bb = 0;
+      } else if (++bb == kNb) {
+        ++a, bb = a / 16;
+      }
+    }
+  };
   // What row b of group (a, bb) is multiplied by in the image: both sides' coefficients and the
   // packing's weight.
   __device__ static float coef(const float* c, int a, int bb, int b) {
@@ -183,7 +198,9 @@ __global__ void __launch_bounds__(128) lin_state_kernel(const LinStateParams p) 
 template <class T, int D, bool kR1, bool kR2>
 struct LinRead90 {
   using F = LinFeatures<D>;
-  static constexpr int kRows = 128, kThreads = 2 * 128 + 32;  // two consumer warpgroups of 64 rows, a producer warp
+  // Two warpgroups of 64 rows; no producer warp: a 288-thread block at two per SM got 80 registers, and
+  // ptxas serialised R1's wgmmas for want of them (C7512).
+  static constexpr int kRows = 128, kThreads = 2 * 128;
   // R1 at d64: two blocks per SM (registers and shared memory), which overlap each other's waits.
   static_assert(kR1 != kR2, "R1 and R2 are launches of their own (together, ptxas spills at d128)");
   static constexpr int kBlocks = D <= 64 && kR1 ? 2 : 1;
@@ -194,7 +211,7 @@ struct LinRead90 {
   static constexpr int kFit = (227 * 1024 / kBlocks - kFixed) / F::kTileBytes;
   static constexpr int kStages = kFit < 4 ? kFit : 4;
   static constexpr int kBytes = kStages * F::kTileBytes + kFixed;
-  static_assert(kStages >= 2, "shared memory");
+  static_assert(kStages >= 3, "tile t + 1 is in flight before tile t releases its stage (refill)");
 };
 
 template <class T, int D, bool kR1, bool kR2>
@@ -208,7 +225,7 @@ __global__ void __launch_bounds__(LinRead90<T, D, kR1, kR2>::kThreads, (LinRead9
   extern __shared__ __align__(16) char smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;
   char* const gbase = smem_raw + (base - smem_u32(smem_raw));
-  const int tiles = F::tiles(p.second), groups = F::groups(p.second);
+  const int tiles = F::tiles(p.second);
   const int blocks = p.L / C::kRows, c = blockIdx.x / blocks, t0 = (blockIdx.x % blocks) * C::kRows;
   const int H = p.Hkv * p.heads, b = blockIdx.y / H, h = blockIdx.y % H, hkv = h / p.heads;
   const int64_t row0 = ((static_cast<int64_t>(b) * p.chunks + c) * H + h) * p.L + t0;
@@ -221,11 +238,20 @@ __global__ void __launch_bounds__(LinRead90<T, D, kR1, kR2>::kThreads, (LinRead9
                     (static_cast<int64_t>(b * p.Hkv + hkv) * (p.per_chunk ? p.chunks : 1) + (p.per_chunk ? c : 0)) *
                         tiles * F::kTileBytes;
 
+  // Tile t into its stage once the stage's previous tile is released (thread 0 only).
+  auto refill = [&](int t) {
+    if (threadIdx.x != 0 || t >= tiles) return;
+    const int s = t % kStages;
+    if (t >= kStages) mbar_wait(empty(s), (t / kStages - 1) & 1);
+    mbar_expect_tx(full(s), F::kTileBytes);
+    bulk_load(base + s * F::kTileBytes, img + static_cast<int64_t>(t) * F::kTileBytes, F::kTileBytes, full(s));
+  };
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) mbar_init(full(s), 1), mbar_init(empty(s), 8);
     mbar_fence_init();
   }
-  if (threadIdx.x < 256) {
+  for (int t = 0; t + 1 < kStages; ++t) refill(t);
+  {
     const char* x = static_cast<const char*>(p.x) + row0 * kDp * 2;
     cp_tile<C::kRows, kDp * 2, 256>(xs, x, kDp * 2, C::kRows, x);
     if constexpr (kR2) {
@@ -238,18 +264,6 @@ __global__ void __launch_bounds__(LinRead90<T, D, kR1, kR2>::kThreads, (LinRead9
   cp_async_wait<0>();
   __syncthreads();
 
-  if (threadIdx.x >= 256) {  // the producer: one thread streams the image's tiles
-    if (threadIdx.x == 256) {
-      for (int t = 0; t < tiles; ++t) {
-        const int s = t % kStages;
-        if (t >= kStages) mbar_wait(empty(s), (t / kStages - 1) & 1);
-        mbar_expect_tx(full(s), F::kTileBytes);
-        bulk_load(base + s * F::kTileBytes, img + static_cast<int64_t>(t) * F::kTileBytes, F::kTileBytes, full(s));
-      }
-    }
-    return;
-  }
-
   const int warp = warp_index(), lane = lane_id(), g = lane / 4, tq = lane % 4;
   const int r0 = 16 * warp;  // this warp's 16 rows of the CTA's 128
   uint32_t gf[kN / 16 + 1][4];  // g's A fragments over w's columns (R2's K), the last one zero-padded
@@ -259,10 +273,7 @@ __global__ void __launch_bounds__(LinRead90<T, D, kR1, kR2>::kThreads, (LinRead9
   }
   // x_a at this lane's row g (or g + 8), alone in the low half of a word.
   auto x_at = [&](int a, int row) { return lds32(xs.at(r0 + row, (a & ~1) * 2)) >> (a & 1 ? 16 : 0) & 0xffffu; };
-  auto group = [&](int gi, int& a, int& bb) {
-    F::decode(gi, a, bb);
-    if (gi >= groups) bb = -1;
-  };
+  typename F::Cursor cursor(p.second);  // the group of gen's (R1) or finish's (R2) next step
   auto stage = [&](int t) { return SwTile{base + (t % kStages) * F::kTileBytes, 64}; };
 
   // Tile t's R1 operands: x's fragment of block bb times x_a (x's fragment is reloaded per group: a
@@ -271,8 +282,8 @@ __global__ void __launch_bounds__(LinRead90<T, D, kR1, kR2>::kThreads, (LinRead9
     if constexpr (kR1) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        int a, bb;
-        group(4 * t + j, a, bb);
+        const int a = cursor.a, bb = cursor.bb;
+        cursor.next();
         uint32_t* f = af[j];
         if (bb < 0) {
           f[0] = f[1] = f[2] = f[3] = 0;
@@ -300,49 +311,64 @@ __global__ void __launch_bounds__(LinRead90<T, D, kR1, kR2>::kThreads, (LinRead9
     }
     wgmma_commit();
   };
-  // After tile t's products: R2's contraction with x, then the stage goes back to the producer.
+  // After tile t's products: R2's contraction with x, then the stage is released; the refill is of tile
+  // t - 1's stage, whose warps are done with it by now, so that thread 0 seldom waits.
   // z[2j + e] holds group j's features 8e + (2 tq, +1) of rows g (0, 1), g + 8 (2, 3): exactly where
   // x's fragment of block bb holds x_b. d(x_a x_b) = x_b dx_a + x_a dx_b; first order d x'_b = dx_b.
+  // Both parts stay in registers: x_a dx_b in dqr[bb] (x's fragment layout; bb picked by compare, since
+  // a register array indexed at run time would live in local memory), x_b dx_a as this lane's share of
+  // dq[., a] while the groups keep a (a-major order), reduced over the quad and added to dq_s when a
+  // changes. (Shared-memory sums per group had made R2 issue-bound.)
+  float dqr[kNb][2][4] = {}, st = 0.f, sd = 0.f, xt = 1.f, xd = 1.f;
+  int a_run = -1;
+  auto flush = [&]() {
+    if (a_run < 0) return;
+#pragma unroll
+    for (int o = 1; o < 4; o *= 2) {
+      st += __shfl_xor_sync(0xffffffffu, st, o);
+      sd += __shfl_xor_sync(0xffffffffu, sd, o);
+    }
+    if (tq == 0) dq_s[(r0 + g) * C::kDqPitch + a_run] += st, dq_s[(r0 + g + 8) * C::kDqPitch + a_run] += sd;
+    st = sd = 0.f;
+  };
   auto finish = [&](int t, float(&z)[8][4]) {
     if constexpr (kR2) {
       fence_acc(z);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        int a, bb;
-        group(4 * t + j, a, bb);
+        const int a = cursor.a, bb = cursor.bb;
+        cursor.next();
         if (bb < 0 || (a < 0 && bb == kNb)) continue;  // padding, or the constant
-        float xt = 1.f, xd = 1.f;
+        if (a != a_run) {
+          flush();
+          a_run = a;
+          xt = a < 0 ? 1.f : Elem<T>::unpack(x_at(a, g)).x;
+          xd = a < 0 ? 1.f : Elem<T>::unpack(x_at(a, g + 8)).x;
+        }
         if (a >= 0) {
           uint32_t xb[4];
           M::lda(xb, xs, r0, 16 * bb);
-          xt = Elem<T>::unpack(x_at(a, g)).x, xd = Elem<T>::unpack(x_at(a, g + 8)).x;
-          float st = 0.f, sd = 0.f;
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const float2 u = Elem<T>::unpack(xb[2 * e]), v = Elem<T>::unpack(xb[2 * e + 1]);
             st += z[2 * j + e][0] * u.x + z[2 * j + e][1] * u.y;
             sd += z[2 * j + e][2] * v.x + z[2 * j + e][3] * v.y;
           }
+        }
 #pragma unroll
-          for (int o = 1; o < 4; o *= 2) {
-            st += __shfl_xor_sync(0xffffffffu, st, o);
-            sd += __shfl_xor_sync(0xffffffffu, sd, o);
+        for (int k = 0; k < kNb; ++k) {
+          if (k != bb) continue;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            dqr[k][e][0] += xt * z[2 * j + e][0], dqr[k][e][1] += xt * z[2 * j + e][1];
+            dqr[k][e][2] += xd * z[2 * j + e][2], dqr[k][e][3] += xd * z[2 * j + e][3];
           }
-          if (tq == 0) dq_s[(r0 + g) * C::kDqPitch + a] += st, dq_s[(r0 + g + 8) * C::kDqPitch + a] += sd;
         }
-        __syncwarp();  // the quads' sums into dq_s before this group's own columns
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float* top = dq_s + (r0 + g) * C::kDqPitch + 16 * bb + 8 * e + 2 * tq;
-          float* bot = top + 8 * C::kDqPitch;
-          top[0] += xt * z[2 * j + e][0], top[1] += xt * z[2 * j + e][1];
-          bot[0] += xd * z[2 * j + e][2], bot[1] += xd * z[2 * j + e][3];
-        }
-        __syncwarp();
       }
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(empty(t % kStages));
+    refill(t + kStages - 1);
   };
   // Two tiles in flight: tile t + 1's operands are made and its products issued before tile t's are
   // waited for (buffers A and B alternate; named, so that no register array is indexed at run time).
@@ -354,22 +380,24 @@ __global__ void __launch_bounds__(LinRead90<T, D, kR1, kR2>::kThreads, (LinRead9
     issue(t, af, z);
   };
   start(0, afA, zA);
-  for (int t = 0; t < tiles; t += 2) {
-    if (t + 1 < tiles) {
-      start(t + 1, afB, zB);
-      wgmma_wait<1>();
-    } else {
-      wgmma_wait<0>();
-    }
+  int t = 0;
+  for (; t + 2 < tiles; t += 2) {
+    start(t + 1, afB, zB);
+    wgmma_wait<1>();
     finish(t, zA);
-    if (t + 1 >= tiles) break;
-    if (t + 2 < tiles) {
-      start(t + 2, afA, zA);
-      wgmma_wait<1>();
-    } else {
-      wgmma_wait<0>();
-    }
+    start(t + 2, afA, zA);
+    wgmma_wait<1>();
     finish(t + 1, zB);
+  }
+  if (t + 1 < tiles) {
+    start(t + 1, afB, zB);
+    wgmma_wait<1>();
+    finish(t, zA);
+    wgmma_wait<0>();
+    finish(t + 1, zB);
+  } else {
+    wgmma_wait<0>();
+    finish(t, zA);
   }
   fence_acc(y);
 
@@ -377,14 +405,27 @@ __global__ void __launch_bounds__(LinRead90<T, D, kR1, kR2>::kThreads, (LinRead9
   if constexpr (kR1) {
     float* out = p.r1 + (row0 + r0) * kDp;
 #pragma unroll
-    for (int n = 0; n < kN / 8; ++n) {
+    for (int n = 0; n < kN / 8; ++n) {  // columns from r1_cols on (and past w's: the last 8) are zeros
       const int col = 8 * n + 2 * tq;
-      if (col >= p.r1_cols) continue;
-      *reinterpret_cast<float2*>(out + g * kDp + col) = make_float2(inv * y[n][0], inv * y[n][1]);
-      *reinterpret_cast<float2*>(out + (g + 8) * kDp + col) = make_float2(inv * y[n][2], inv * y[n][3]);
+      const float s = col < p.r1_cols ? inv : 0.f;
+      *reinterpret_cast<float2*>(out + g * kDp + col) = make_float2(s * y[n][0], s * y[n][1]);
+      *reinterpret_cast<float2*>(out + (g + 8) * kDp + col) = make_float2(s * y[n][2], s * y[n][3]);
     }
+    static_assert(kDp - kN == 8, "one n8 tile past w");
+    *reinterpret_cast<float2*>(out + g * kDp + kN + 2 * tq) = make_float2(0.f, 0.f);
+    *reinterpret_cast<float2*>(out + (g + 8) * kDp + kN + 2 * tq) = make_float2(0.f, 0.f);
   }
   if constexpr (kR2) {  // this warp's 16 rows of dq_s
+    flush();
+    __syncwarp();  // the quads' sums in before the lanes add their columns
+#pragma unroll
+    for (int k = 0; k < kNb; ++k)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float* top = dq_s + (r0 + g) * C::kDqPitch + 16 * k + 8 * e + 2 * tq;
+        float* bot = top + 8 * C::kDqPitch;
+        top[0] += dqr[k][e][0], top[1] += dqr[k][e][1], bot[0] += dqr[k][e][2], bot[1] += dqr[k][e][3];
+      }
     __syncwarp();
     float* out = p.r2 + (row0 + r0) * D;
     for (int k = lane; k < 16 * D / 2; k += 32) {

@@ -131,22 +131,22 @@ cudaError_t run_dq_finalize(Dtype dtype, const Params& p, int D, bool tiles, cud
 int64_t dq_accum_size(int B, int H, int I, int D);
 
 // The linear form's row passes (aux.cu), between natural (B,H,n,D) rows (contiguous unless strides are
-// given) and chunk-major (B, n_pad / kLinChunk, H, kLinChunk, W) ones whose row t holds row t - shift.
+// given) and chunk-major (B, n_pad / L, H, L, W) ones whose row t holds row t - shift.
 // x - mu[b,h] where mask (B,N) keeps the row (else 0); W = D + 16 adds the columns [keep, 0 ... 0].
 cudaError_t run_lin_rows(Dtype dtype, const void* x, int64_t sb, int64_t sh, int64_t si, const bool* mask,
-                         const float* mu, int B, int H, int N, int D, int W, int n_pad, int shift, void* dst,
+                         const float* mu, int B, int H, int N, int D, int W, int n_pad, int L, int shift, void* dst,
                          cudaStream_t stream);
 // out = (num + o / stat) / (l + 1 / stat) from y = [num, l] (fp32, D + 16 wide) and the diagonal blocks'
 // o and stat (null when there are none); inv_l = 1 / (l + 1 / stat) for every chunk row.
 cudaError_t run_lin_out(Dtype dtype, const float* y, const void* o, const float* stat, int B, int H, int n, int D,
-                        int n_pad, int shift, void* out, float* inv_l, cudaStream_t stream);
+                        int n_pad, int L, int shift, void* out, float* inv_l, cudaStream_t stream);
 // g = [dO, -dO . (O - mu)] * inv_l / scale as D + 16 wide rows, scale a power of two from max |g| and
 // *cmax; delta (chunk rows) and gmax (one word, zero on entry) are scratch.
 cudaError_t run_lin_g(Dtype dtype, const void* dout, const void* out, const float* inv_l, const float* mu,
-                      const float* cmax, int B, int H, int n, int D, int n_pad, int shift, float* delta,
+                      const float* cmax, int B, int H, int n, int D, int n_pad, int L, int shift, float* delta,
                       unsigned* gmax, void* g, float* scale, cudaStream_t stream);
 // out = acc[:, :D] * *scale + diag (diag may be null), back to natural rows.
 cudaError_t run_lin_grad(Dtype dtype, const float* acc, int W, const float* scale, const void* diag, int B, int H,
-                         int n, int D, int n_pad, int shift, void* out, cudaStream_t stream);
+                         int n, int D, int n_pad, int L, int shift, void* out, cudaStream_t stream);
 
 }  // namespace attn
