@@ -291,7 +291,8 @@ __global__ void lin_delta_kernel(const T* dout, const T* out, const float* inv_l
 // caller to undo).
 template <class T>
 __global__ void lin_g_kernel(const T* dout, const float* inv_l, const float* delta, const unsigned* gmax,
-                             const float* cmax, int H, int n, int D, int n_pad, int L, int shift, T* g, float* scale_out) {
+                             const float* cmax, int H, int n, int D, int n_pad, int L, int shift, T* g,
+                             float* scale_out) {
   const int bh = blockIdx.x, b = bh / H, h = bh % H, lane = threadIdx.x % 32, Dp = D + 16;
   const T* dO = dout + static_cast<int64_t>(bh) * n * D;
   const float scale = g_scale(__uint_as_float(*gmax), *cmax);

@@ -61,7 +61,8 @@ struct Params {
 };
 
 // Fastmax's linear form (linear.cuh): one sweep over the chunks of a sequence, carrying moments.
-constexpr int kLinChunk = 128;  // rows per chunk; the chunk's own (diagonal) block is left to the tiled kernels
+// The sweep's rows per chunk; the chunk's own (diagonal) block is left to the tiled kernels.
+constexpr int kLinChunk = 128;
 
 struct LinParams {
   int B, Hkv, chunks;
