@@ -158,7 +158,44 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, None, dbias if bias_grad else None, *([None] * 8)
 
 
-LINEAR_CHUNK = 128  # rows per chunk of the linear form: kLinChunk in csrc/params.h
+LINEAR_CHUNK = 128  # rows per chunk of the sweep (linear.cuh): kLinChunk in csrc/params.h
+# Rows per chunk of the Hopper chunked form (lin_sm90.cuh; 0: always the sweep). Longer chunks cost more
+# diagonal blocks on the tiled kernel (N L / 2 pairs) and less state (an image of O(D^3) per chunk):
+# bench/NOTES.md run 22 measured L = 512 and 1024 at b4 h8 N16384 d64.
+CHUNKED_ROWS = 1024
+
+
+def _chunk_rows(dtype, d) -> int:
+    """Rows per chunk: CHUNKED_ROWS where the chunked kernels run (sm_90a builds on an H100/H200, fp16 and
+    bf16, d64 and d128), else the sweep's LINEAR_CHUNK."""
+    if CHUNKED_ROWS and d in torch.ops.attn_cuda.chunked_head_dims(dtype):
+        return CHUNKED_ROWS
+    return LINEAR_CHUNK
+
+
+def _moments(ux, uw, rx, rg, upd, rd, causal, reverse, second, cu, cr, r1_cols):
+    """R1 = psi(rx) S (its first r1_cols columns) and, given rg, R2 = d psi(rx) . S rg, with S the moments
+    of phi(ux) uw^T over the visible chunks (before each chunk; after it with reverse; all when not causal).
+    cu and cr: the coefficients on ux's and rx's side. On the sweep for 128-row chunks, else on the
+    chunked kernels: lin_state writes S per chunk, lin_read reads every chunk at once."""
+    ops = torch.ops.attn_cuda
+    if ux.shape[3] == LINEAR_CHUNK:
+        return ops.linear(ux, uw, rx, rg, upd, rd, causal, reverse, second, cu, cr, -(-r1_cols // 16), rg is not None)
+    coef = [a * b for a, b in zip(cu, cr)]
+    scale = _image_scale(ux, uw, upd, coef)
+    image = ops.lin_state(ux, uw, upd, causal, reverse, second, coef, scale)
+    return ops.lin_read(rx, rg, image, rd, second, r1_cols, scale)
+
+
+def _image_scale(ux, uw, upd, coef):
+    """The power of two the chunked kernels store S at (one fp32 on the device): fp16 images hold S below
+    2^14 by a bound on |S| (rows x max |phi| x max |w|); bf16 has fp32's range and takes 1."""
+    if ux.dtype != torch.float16:
+        return torch.ones(1, device=ux.device)
+    rows = ux.shape[1] * ux.shape[3] * upd
+    bound = (ux.abs().amax().float().clamp_min(1.0) ** 2 * uw.abs().amax().float()
+             * (rows * max(abs(coef[0]), abs(coef[1]), 2 * abs(coef[2]))))
+    return torch.exp2(torch.floor(torch.log2(2.0 ** 14 / bound.clamp_min(1e-30)))).reshape(1)
 
 
 def linear_unsupported_reason(q) -> str | None:
@@ -177,7 +214,7 @@ LINEAR_FROM_KEYS = {16: 8192, 32: 8192, 64: 32768, 96: 65536, 128: 65536}
 
 
 def linear_attention(q, k, v, mask, causal: bool, policy: ScorePolicy) -> torch.Tensor:
-    """Fastmax in its linear form on the kernels: moments carried over chunks of 128 rows (fp32), each
+    """Fastmax in its linear form on the kernels: moments carried over chunks of rows (fp32), each
     chunk's own causal block on the tiled quadratic kernel. Same contract as ``attention``.
 
     The moments cost O(D^3) per token (p = 2) and no N: it wins over the quadratic form at long N.
@@ -186,13 +223,14 @@ def linear_attention(q, k, v, mask, causal: bool, policy: ScorePolicy) -> torch.
     """
     from .reference import scale_rows
 
-    if k.shape[2] <= LINEAR_CHUNK:
+    dtype = _run_dtype(q)
+    chunk = _chunk_rows(dtype, q.shape[-1])
+    if k.shape[2] <= chunk:
         # All keys fit in one chunk: the tiled kernel does the whole call as one block, at I*J*D, below
         # the moments' cost, and rounded as the quadratic form. It also matters for precision: with one
         # visible key the exact dq, dk are 0 and dv is dO, which the tiled kernels (and PyTorch) hit
         # exactly (P = 1), so the FA rule leaves only its atol; moments rounded to fp16/bf16 miss by ulps.
         return attention(q, k, v, mask, None, causal, policy)
-    dtype = _run_dtype(q)
     q, k, v = (t.to(dtype) for t in (q, k, v))
     if policy.qk_norm is not None:
         q, k = (scale_rows(x.float(), policy.qk_norm).to(dtype) for x in (q, k))
@@ -202,11 +240,11 @@ def linear_attention(q, k, v, mask, causal: bool, policy: ScorePolicy) -> torch.
     front = k.shape[2] - q.shape[2] if causal else 0
     mask = None if mask is None else mask.contiguous()
     return _LinearAttention.apply(q, k, v, mask, causal, (policy.a0, policy.a1, policy.a2), policy.scale,
-                                  max(front, 0), max(-front, 0))
+                                  max(front, 0), max(-front, 0), chunk)
 
 
 class _LinearAttention(torch.autograd.Function):
-    """y = [num, l] = moments of the chunks before (attn_cuda::linear) + the chunk's own causal block
+    """y = [num, l] = moments of the chunks before (_moments) + the chunk's own causal block
     (attn_cuda::fwd, whose saved 1/l and output give its num and l back); out = num / l.
 
     The sweeps take chunk-major rows [x, 1, 0 ... 0] (attn_cuda::lin_rows; the 1 carries the constant
@@ -219,23 +257,22 @@ class _LinearAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, causal, coefs, scale, shift_q, shift_k):
+    def forward(ctx, q, k, v, mask, causal, coefs, scale, shift_q, shift_k, chunk):
         ops = torch.ops.attn_cuda
         b, h, i, d = q.shape
         hkv, j = k.shape[1], k.shape[2]
-        n_pad = -(-max(i + shift_q, j + shift_k) // LINEAR_CHUNK) * LINEAR_CHUNK
-        qc = ops.lin_rows(q, None, None, shift_q, n_pad, d + 16)
-        # Masked keys are zero rows in k too, not only in [v, 1]: the dk/dv sweep reads every key's
+        n_pad = -(-max(i + shift_q, j + shift_k) // chunk) * chunk
+        qc = ops.lin_rows(q, None, None, shift_q, n_pad, d + 16, chunk)
+        # Masked keys are zero rows in k too, not only in [v, 1]: the dk/dv moments read every key's
         # features, and a zero row reads nothing (dv = 0 there, as the mask says).
-        kc = ops.lin_rows(k, mask, None, shift_k, n_pad, d + 16)
-        vc = ops.lin_rows(v, mask, None, shift_k, n_pad, d + 16)
+        kc = ops.lin_rows(k, mask, None, shift_k, n_pad, d + 16, chunk)
+        vc = ops.lin_rows(v, mask, None, shift_k, n_pad, d + 16, chunk)
         cr = [coefs[0], coefs[1] * scale, coefs[2] * scale * scale]  # the query side's, temperature included
-        y, _ = ops.linear(kc, vc, qc, None, 1, h // hkv, causal, False, coefs[2] != 0, [1.0, 1.0, 1.0], cr,
-                          (d + 16) // 16, False)
+        y, _ = _moments(kc, vc, qc, None, 1, h // hkv, causal, False, coefs[2] != 0, [1.0, 1.0, 1.0], cr, d + 1)
         keep_c, diag = None, (None, None)
         if causal:
             keep = torch.ones(b, j, dtype=torch.bool, device=q.device) if mask is None else mask
-            keep_c = torch.nn.functional.pad(keep, (shift_k, n_pad - j - shift_k)).view(-1, LINEAR_CHUNK)
+            keep_c = torch.nn.functional.pad(keep, (shift_k, n_pad - j - shift_k)).view(-1, chunk)
             diag = ops.fwd(*_diagonal(qc, kc, vc), keep_c, None, True, "poly", scale, None, *coefs, True)[:2]
         out, inv_l = ops.lin_out(y, *diag, shift_q, i, q.dtype)
         ctx.save_for_backward(v, mask, qc, kc, vc, keep_c, out, inv_l)
@@ -248,7 +285,8 @@ class _LinearAttention(torch.autograd.Function):
         v, mask, qc, kc, vc, keep_c, out, inv_l = ctx.saved_tensors
         causal, coefs, scale, cr, shift_q, shift_k = ctx.args
         b, h, i, d = out.shape
-        hkv, j, n_pad = v.shape[1], v.shape[2], qc.shape[1] * LINEAR_CHUNK
+        hkv, j, chunk = v.shape[1], v.shape[2], qc.shape[3]
+        n_pad = qc.shape[1] * chunk
         group, second = h // hkv, coefs[2] != 0
         # The sweeps' dq and dk sum phi(k_s) (dO . v_s - dO . O) / l over keys, as the moments of [v, 1]
         # read against g = [dO, -dO . O] / l: two sums, each rounded (g and the moments enter the tensor
@@ -258,7 +296,7 @@ class _LinearAttention(torch.autograd.Function):
         # visible keys per (batch, kv head). The forward keeps v as given (no extra rounding there).
         mu = (vc[..., :d].sum((1, 3), dtype=torch.float32)
               / vc[..., d:d + 1].sum((1, 3), dtype=torch.float32).clamp_min(1.0))  # (B, Hkv, D)
-        vs = ops.lin_rows(v, mask, mu, shift_k, n_pad, d + 16)
+        vs = ops.lin_rows(v, mask, mu, shift_k, n_pad, d + 16, chunk)
         # g = dO / l shrinks with the sequence, and from a causal row with few keys to one with many by
         # orders of magnitude. The sweeps take it over a power of two (exact) that puts the largest
         # product the reverse sweep rounds to the input dtype, g q_a (or g itself), near 2^14: the small
@@ -267,22 +305,22 @@ class _LinearAttention(torch.autograd.Function):
         qmax = torch.linalg.vector_norm(qc[..., :d], float("inf"), dtype=torch.float32)
         cmax = qmax.clamp_min(1.0).reshape(1)
         g, gscale = ops.lin_g(dout, out, inv_l, mu.repeat_interleave(group, dim=1).contiguous(), cmax, shift_q)
-        _, dq = ops.linear(kc, vs, qc, g, 1, group, causal, False, second, [1.0, 1.0, 1.0], cr, 0, True)
-        dv, dk = ops.linear(qc, g, kc, vs, group, 1, causal, True, second, cr, [1.0, 1.0, 1.0], d // 16, True)
+        _, dq = _moments(kc, vs, qc, g, 1, group, causal, False, second, [1.0, 1.0, 1.0], cr, 0)
+        dv, dk = _moments(qc, g, kc, vs, group, 1, causal, True, second, cr, [1.0, 1.0, 1.0], d)
         diag = (None, None, None)
         if causal:
-            rows = (b * n_pad // LINEAR_CHUNK, h, LINEAR_CHUNK, d)
-            dout_c, out_c = (ops.lin_rows(x, None, None, shift_q, n_pad, d).view(rows) for x in (dout, out))
+            rows = (b * n_pad // chunk, h, chunk, d)
+            dout_c, out_c = (ops.lin_rows(x, None, None, shift_q, n_pad, d, chunk).view(rows) for x in (dout, out))
             diag = ops.bwd(dout_c, *_diagonal(qc, kc, vc), keep_c, None, out_c, inv_l.view(rows[:3]),
                            inv_l.new_empty(0), inv_l.new_empty(0), True, "poly", scale, None, *coefs, True,
                            False)[:3]
         return (ops.lin_grad(dq, gscale, diag[0], shift_q, i, d, out.dtype),
                 ops.lin_grad(dk, gscale, diag[1], shift_k, j, d, out.dtype),
-                ops.lin_grad(dv, gscale, diag[2], shift_k, j, d, out.dtype), *([None] * 6))
+                ops.lin_grad(dv, gscale, diag[2], shift_k, j, d, out.dtype), *([None] * 7))
 
 
 def _diagonal(qc, kc, vc):
-    """The chunks as sequences of their own, (B * chunks, heads, LINEAR_CHUNK, D): the diagonal blocks."""
+    """The chunks as sequences of their own, (B * chunks, heads, L, D): the diagonal blocks."""
     d = qc.shape[-1] - 16
     return tuple(x.view(-1, *x.shape[2:])[..., :d] for x in (qc, kc, vc))
 
@@ -305,10 +343,24 @@ def _register_fakes() -> None:
         return (torch.empty(rx.shape if r1_tiles > 0 else (0,), **f32),
                 torch.empty((*rx.shape[:-1], rx.shape[-1] - 16) if want_r2 else (0,), **f32))
 
+    @torch.library.register_fake("attn_cuda::lin_state")
+    def _lin_state(x, w, heads, causal, reverse, second, coef, scale):
+        b, chunks, hx, _, dp = x.shape
+        nb = (dp - 16) // 16
+        groups = nb + 1 + (16 * nb * (nb + 1) // 2 if second else 0)
+        image_bytes = (groups + 3) // 4 * ((dp - 8 + 31) // 32) * 64 * 64  # chunked_image_bytes in binding.cpp
+        return x.new_empty((b, hx // heads, chunks if causal else 1, image_bytes), dtype=torch.uint8)
+
+    @torch.library.register_fake("attn_cuda::lin_read")
+    def _lin_read(x, g, image, heads, second, r1_cols, scale):
+        f32 = dict(dtype=torch.float32, device=x.device)
+        return (torch.empty(x.shape if r1_cols > 0 else (0,), **f32),
+                torch.empty((*x.shape[:-1], x.shape[-1] - 16) if g is not None else (0,), **f32))
+
     @torch.library.register_fake("attn_cuda::lin_rows")
-    def _lin_rows(x, mask, mu, shift, n_pad, width):
+    def _lin_rows(x, mask, mu, shift, n_pad, width, chunk):
         b, h = x.shape[:2]
-        return x.new_empty((b, n_pad // LINEAR_CHUNK, h, LINEAR_CHUNK, width))
+        return x.new_empty((b, n_pad // chunk, h, chunk, width))
 
     @torch.library.register_fake("attn_cuda::lin_out")
     def _lin_out(y, o, stat, shift, n, dtype):

@@ -1,19 +1,41 @@
 """Fastmax's linear-form kernels (form="linear", backend="cuda") against float64 PyTorch, on a GPU.
 
 Same error rule as test_cuda_kernels.py; the PyTorch yardstick in the input dtype is the quadratic form
-(the weights materialised in that dtype), the float64 reference is exact. Lengths cross the 128-row
-chunks, start and end mid-chunk, and cover i != j both ways. Calls whose keys fit one chunk (SHAPES'
-short ones) run on the tiled kernel as one block; the longer shapes exercise the moments.
+(the weights materialised in that dtype), the float64 reference is exact. Lengths cross the chunks,
+start and end mid-chunk, and cover i != j both ways. Calls whose keys fit one chunk (SHAPES' short ones)
+run on the tiled kernel as one block; the longer shapes exercise the moments.
+
+Two paths carry the moments: the sweep (linear.cuh, 128-row chunks, every GPU) and, on an sm_90a build
+on Hopper, the chunked kernels (lin_sm90.cuh, d64 and d128), run here with 256-row chunks so that these
+lengths cross them (1024 in use).
 """
 import math
 
 import pytest
 import torch
 
+import attention_cuda._cuda as cuda_mod
 from attention_cuda import fastmax_attention
 from test_cuda_kernels import SHAPES, compare, make_case, peak_extra_bytes
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(params=["sweep", "chunked"])
+def path(request, monkeypatch):
+    """Which kernels carry the moments; "chunked" skips where they are not built or not on Hopper."""
+    if request.param == "sweep":
+        monkeypatch.setattr(cuda_mod, "CHUNKED_ROWS", 0)
+    else:
+        if cuda_mod.unavailable_reason() is not None or not torch.ops.attn_cuda.chunked_head_dims(torch.bfloat16):
+            pytest.skip("chunked linear-form kernels not built for this device")
+        monkeypatch.setattr(cuda_mod, "CHUNKED_ROWS", 256)
+    return request.param
+
+
+def needs(path, d):
+    if path == "chunked" and d not in (64, 128):
+        pytest.skip("the chunked kernels exist for d64 and d128")
 
 LINEAR_SHAPES = SHAPES + [(1, 2, 1, 300, 300), (2, 2, 2, 129, 385), (3, 2, 2, 300, 150)]
 
@@ -32,20 +54,21 @@ def fastmax(p, **fixed):
 @pytest.mark.parametrize("flag", ["none", "causal", "mask", "all"])
 @pytest.mark.parametrize("d", [16, 32, 64, 96, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda t: str(t).split(".")[-1])
-def test_linear_form_matches_float64(dtype, d, flag, p):
+def test_linear_form_matches_float64(dtype, d, flag, p, path):
+    needs(path, d)
     cases = [(*make_case(shape, d, "fastmax", flag, seed=n), str(shape)) for n, shape in enumerate(LINEAR_SHAPES)]
     compare(cases, fastmax(p, temperature=math.sqrt(d)), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda t: str(t).split(".")[-1])
-def test_linear_form_with_normalize_and_other_coefficients(dtype):
+def test_linear_form_with_normalize_and_other_coefficients(dtype, path):
     cases = [(*make_case(shape, 64, "fastmax", "all", seed=n), str(shape)) for n, shape in enumerate(LINEAR_SHAPES)]
     compare(cases, fastmax(2, normalize=True, lim=1.5, a0=2.0, a1=0.5, a2=0.25), dtype)
 
 
 @pytest.mark.parametrize("flag", ["none", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda t: str(t).split(".")[-1])
-def test_linear_form_gradients_at_2048(dtype, flag):
+def test_linear_form_gradients_at_2048(dtype, flag, path):
     """dk and dv come from moments of psi(q) dO / l, which shrink as rows add up: scaled by the row
     count they fell into fp16's subnormals (an emulation of the old kernel: dk 39x, dv 21x the bar here)."""
     cases = [(*make_case((1, 2, 1, 2048, 2048), 64, "fastmax", flag, seed=10), "2048")]
@@ -53,14 +76,15 @@ def test_linear_form_gradients_at_2048(dtype, flag):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda t: str(t).split(".")[-1])
-def test_linear_form_values_with_an_offset(dtype):
+def test_linear_form_values_with_an_offset(dtype, path):
     """v = N(4, 1): dO.v_s and dO.O grow with the offset and cancel in dq and dk (the sweeps take v - mean;
     without it an emulation reached 1.0x the bar in bf16 dq, with it 0.5x)."""
+    d = 64 if path == "chunked" else 32
     cases = []
     for n, shape in enumerate([s for s in LINEAR_SHAPES if s[4] > 128]):
-        (q, k, v), kw, dout = make_case(shape, 32, "fastmax", "mask", seed=n)
+        (q, k, v), kw, dout = make_case(shape, d, "fastmax", "mask", seed=n)
         cases.append(([q, k, v + 4], kw, dout, str(shape)))
-    compare(cases, fastmax(2, temperature=math.sqrt(32)), dtype)
+    compare(cases, fastmax(2, temperature=math.sqrt(d)), dtype)
 
 
 def test_one_chunk_of_keys_runs_as_one_tiled_block():
@@ -74,7 +98,7 @@ def test_one_chunk_of_keys_runs_as_one_tiled_block():
         assert torch.equal(lin, quad)
 
 
-def test_the_two_forms_agree():
+def test_the_two_forms_agree(path):
     g = torch.Generator(device="cuda").manual_seed(7)
     q, k, v = (torch.randn(2, 4, 1000, 64, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     for causal in (False, True):
@@ -83,7 +107,7 @@ def test_the_two_forms_agree():
         torch.testing.assert_close(lin, quad, atol=2e-2, rtol=2e-2)
 
 
-def test_linear_form_stays_finite_at_131072():
+def test_linear_form_stays_finite_at_131072(path):
     g = torch.Generator(device="cuda").manual_seed(8)
     q, k, v = (torch.randn(1, 2, 131072, 64, generator=g, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))

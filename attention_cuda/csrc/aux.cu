@@ -145,11 +145,11 @@ __global__ void dq_finalize_kernel(const Params p, int D) {
 }
 
 // ---- Fastmax's linear form: between natural (B, H, N, D) rows and linear.cuh's chunk-major ones ----
-// Chunk-major (B, n_pad / kLinChunk, H, kLinChunk, W): chunk row t of head (b, h) holds natural row
+// Chunk-major (B, n_pad / L, H, L, W) with L rows per chunk: chunk row t of head (b, h) holds natural row
 // t - shift (a causal call with I != J aligns queries and keys by shifting one of them).
 
-__device__ __forceinline__ int64_t chunk_row(int b, int h, int H, int n_pad, int t) {
-  return ((static_cast<int64_t>(b) * (n_pad / kLinChunk) + t / kLinChunk) * H + h) * kLinChunk + t % kLinChunk;
+__device__ __forceinline__ int64_t chunk_row(int b, int h, int H, int n_pad, int L, int t) {
+  return ((static_cast<int64_t>(b) * (n_pad / L) + t / L) * H + h) * L + t % L;
 }
 
 __device__ __forceinline__ float warp_max(float x) {
@@ -174,7 +174,7 @@ __device__ __forceinline__ float g_scale(float gmax, float cmax) {
 
 template <class T>
 __global__ void lin_rows_kernel(const T* x, int64_t sb, int64_t sh, int64_t si, const bool* mask, const float* mu,
-                                int H, int N, int D, int W, int n_pad, int shift, T* dst) {
+                                int H, int N, int D, int W, int n_pad, int L, int shift, T* dst) {
   const int bh = blockIdx.x, b = bh / H, h = bh % H, lane = threadIdx.x % 32;
   const T* head = x + b * sb + h * sh;
   for_each_row_group(n_pad, [&](int t0) {
@@ -185,7 +185,7 @@ __global__ void lin_rows_kernel(const T* x, int64_t sb, int64_t sh, int64_t si, 
       const int n = t0 + r - shift;
       keep[r] = n >= 0 && n < N && (!mask || mask[static_cast<int64_t>(b) * N + n]);
       src[r] = min(max(n, 0), N - 1) * si;
-      row[r] = chunk_row(b, h, H, n_pad, min(t0 + r, n_pad - 1)) * W;
+      row[r] = chunk_row(b, h, H, n_pad, L, min(t0 + r, n_pad - 1)) * W;
     }
     for (int d = 2 * lane; d < D; d += 64) {
       float2 v[kRowsPerWarp];
@@ -220,7 +220,7 @@ __device__ __forceinline__ void load_sweep_diag(float2 (&acc)[kRowsPerWarp], flo
 // out = (num + o l_d) / (l + l_d) from the sweep's y = [num, l] and the diagonal block's output o and
 // 1 / l_d (stat); 1 / the sum for every chunk row (the backward's), out for the rows that exist.
 template <class T>
-__global__ void lin_out_kernel(const float* y, const T* o, const float* stat, int H, int n, int D, int n_pad,
+__global__ void lin_out_kernel(const float* y, const T* o, const float* stat, int H, int n, int D, int n_pad, int L,
                                int shift, T* out, float* inv_l) {
   const int bh = blockIdx.x, b = bh / H, h = bh % H, lane = threadIdx.x % 32, Dp = D + 16;
   for_each_row_group(n_pad, [&](int t0) {
@@ -228,7 +228,7 @@ __global__ void lin_out_kernel(const float* y, const T* o, const float* stat, in
     float ld[kRowsPerWarp], inv[kRowsPerWarp];
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
-      row[r] = chunk_row(b, h, H, n_pad, min(t0 + r, n_pad - 1));
+      row[r] = chunk_row(b, h, H, n_pad, L, min(t0 + r, n_pad - 1));
       const float s = stat ? stat[row[r]] : 0.f;
       ld[r] = s > 0.f ? 1.f / s : 0.f;
       const float l = y[row[r] * Dp + D] + ld[r];
@@ -253,7 +253,7 @@ __global__ void lin_out_kernel(const float* y, const T* o, const float* stat, in
 // the largest |g| into gmax (a float's bits: non-negative floats order as unsigned integers).
 template <class T>
 __global__ void lin_delta_kernel(const T* dout, const T* out, const float* inv_l, const float* mu, int H, int n,
-                                 int D, int n_pad, int shift, float* delta, unsigned* gmax) {
+                                 int D, int n_pad, int L, int shift, float* delta, unsigned* gmax) {
   const int bh = blockIdx.x, b = bh / H, h = bh % H, lane = threadIdx.x % 32;
   const T* dO = dout + static_cast<int64_t>(bh) * n * D;
   const T* O = out + static_cast<int64_t>(bh) * n * D;
@@ -279,7 +279,7 @@ __global__ void lin_delta_kernel(const T* dout, const T* out, const float* inv_l
       const int i = t0 + r - shift;
       const bool real = i >= 0 && i < n && t0 + r < n_pad;
       const float dl = real ? warp_sum(dot[r]) : 0.f;
-      const int64_t row = chunk_row(b, h, H, n_pad, min(t0 + r, n_pad - 1));
+      const int64_t row = chunk_row(b, h, H, n_pad, L, min(t0 + r, n_pad - 1));
       if (real) top = fmaxf(top, inv_l[row] * fmaxf(warp_max(big[r]), fabsf(dl)));
       if (lane == 0 && t0 + r < n_pad) delta[row] = dl;
     }
@@ -291,7 +291,8 @@ __global__ void lin_delta_kernel(const T* dout, const T* out, const float* inv_l
 // caller to undo).
 template <class T>
 __global__ void lin_g_kernel(const T* dout, const float* inv_l, const float* delta, const unsigned* gmax,
-                             const float* cmax, int H, int n, int D, int n_pad, int shift, T* g, float* scale_out) {
+                             const float* cmax, int H, int n, int D, int n_pad, int L, int shift, T* g,
+                             float* scale_out) {
   const int bh = blockIdx.x, b = bh / H, h = bh % H, lane = threadIdx.x % 32, Dp = D + 16;
   const T* dO = dout + static_cast<int64_t>(bh) * n * D;
   const float scale = g_scale(__uint_as_float(*gmax), *cmax);
@@ -303,7 +304,7 @@ __global__ void lin_g_kernel(const T* dout, const float* inv_l, const float* del
     for (int r = 0; r < kRowsPerWarp; ++r) {
       const int i = t0 + r - shift;
       src[r] = min(max(i, 0), n - 1) * int64_t{D};
-      row[r] = chunk_row(b, h, H, n_pad, min(t0 + r, n_pad - 1));
+      row[r] = chunk_row(b, h, H, n_pad, L, min(t0 + r, n_pad - 1));
       c[r] = i >= 0 && i < n ? inv_l[row[r]] / scale : 0.f;
     }
     for (int d = 2 * lane; d < D; d += 64) {
@@ -324,13 +325,13 @@ __global__ void lin_g_kernel(const T* dout, const float* inv_l, const float* del
 // blocks' share (chunk-major, D wide) where there is one.
 template <class T>
 __global__ void lin_grad_kernel(const float* acc, int W, const float* scale, const T* diag, int H, int n, int D,
-                                int n_pad, int shift, T* out) {
+                                int n_pad, int L, int shift, T* out) {
   const int bh = blockIdx.x, b = bh / H, h = bh % H, lane = threadIdx.x % 32;
   const float s = *scale;
   for_each_row_group(n, [&](int i0) {
     int64_t row[kRowsPerWarp];
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) row[r] = chunk_row(b, h, H, n_pad, min(i0 + r, n - 1) + shift);
+    for (int r = 0; r < kRowsPerWarp; ++r) row[r] = chunk_row(b, h, H, n_pad, L, min(i0 + r, n - 1) + shift);
     for (int d = 2 * lane; d < D; d += 64) {
       float2 a[kRowsPerWarp], c[kRowsPerWarp];
       load_sweep_diag(a, c, row, acc, W, diag, D, d);
@@ -401,50 +402,50 @@ cudaError_t run_dq_finalize(Dtype dtype, const Params& p, int D, bool tiles, cud
 }
 
 cudaError_t run_lin_rows(Dtype dtype, const void* x, int64_t sb, int64_t sh, int64_t si, const bool* mask,
-                         const float* mu, int B, int H, int N, int D, int W, int n_pad, int shift, void* dst,
+                         const float* mu, int B, int H, int N, int D, int W, int n_pad, int L, int shift, void* dst,
                          cudaStream_t stream) {
   if (B * H == 0 || n_pad == 0) return cudaSuccess;
   return by_half_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     lin_rows_kernel<T><<<row_grid(B * H, n_pad), kWarps * 32, 0, stream>>>(
-        static_cast<const T*>(x), sb, sh, si, mask, mu, H, N, D, W, n_pad, shift, static_cast<T*>(dst));
+        static_cast<const T*>(x), sb, sh, si, mask, mu, H, N, D, W, n_pad, L, shift, static_cast<T*>(dst));
     return cudaGetLastError();
   });
 }
 
 cudaError_t run_lin_out(Dtype dtype, const float* y, const void* o, const float* stat, int B, int H, int n, int D,
-                        int n_pad, int shift, void* out, float* inv_l, cudaStream_t stream) {
+                        int n_pad, int L, int shift, void* out, float* inv_l, cudaStream_t stream) {
   if (B * H == 0 || n_pad == 0) return cudaSuccess;
   return by_half_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     lin_out_kernel<T><<<row_grid(B * H, n_pad), kWarps * 32, 0, stream>>>(
-        y, static_cast<const T*>(o), stat, H, n, D, n_pad, shift, static_cast<T*>(out), inv_l);
+        y, static_cast<const T*>(o), stat, H, n, D, n_pad, L, shift, static_cast<T*>(out), inv_l);
     return cudaGetLastError();
   });
 }
 
 cudaError_t run_lin_g(Dtype dtype, const void* dout, const void* out, const float* inv_l, const float* mu,
-                      const float* cmax, int B, int H, int n, int D, int n_pad, int shift, float* delta,
+                      const float* cmax, int B, int H, int n, int D, int n_pad, int L, int shift, float* delta,
                       unsigned* gmax, void* g, float* scale, cudaStream_t stream) {
   if (B * H == 0 || n_pad == 0) return cudaSuccess;
   return by_half_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     const auto* dO = static_cast<const T*>(dout);
     lin_delta_kernel<T><<<row_grid(B * H, n_pad), kWarps * 32, 0, stream>>>(
-        dO, static_cast<const T*>(out), inv_l, mu, H, n, D, n_pad, shift, delta, gmax);
+        dO, static_cast<const T*>(out), inv_l, mu, H, n, D, n_pad, L, shift, delta, gmax);
     lin_g_kernel<T><<<row_grid(B * H, n_pad), kWarps * 32, 0, stream>>>(
-        dO, inv_l, delta, gmax, cmax, H, n, D, n_pad, shift, static_cast<T*>(g), scale);
+        dO, inv_l, delta, gmax, cmax, H, n, D, n_pad, L, shift, static_cast<T*>(g), scale);
     return cudaGetLastError();
   });
 }
 
 cudaError_t run_lin_grad(Dtype dtype, const float* acc, int W, const float* scale, const void* diag, int B, int H,
-                         int n, int D, int n_pad, int shift, void* out, cudaStream_t stream) {
+                         int n, int D, int n_pad, int L, int shift, void* out, cudaStream_t stream) {
   if (B * H == 0 || n == 0) return cudaSuccess;
   return by_half_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     lin_grad_kernel<T><<<row_grid(B * H, n), kWarps * 32, 0, stream>>>(
-        acc, W, scale, static_cast<const T*>(diag), H, n, D, n_pad, shift, static_cast<T*>(out));
+        acc, W, scale, static_cast<const T*>(diag), H, n, D, n_pad, L, shift, static_cast<T*>(out));
     return cudaGetLastError();
   });
 }

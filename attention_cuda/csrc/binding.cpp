@@ -36,6 +36,25 @@ bool find_kernels(Dtype dtype, int head_dim, FwdFn* fwd, BwdFn* bwd, LinFn* lin)
   return true;
 }
 
+namespace {
+std::map<std::pair<int, int>, std::pair<LinStateFn, LinReadFn>>& chunked_registry() {
+  static std::map<std::pair<int, int>, std::pair<LinStateFn, LinReadFn>> r;
+  return r;
+}
+}  // namespace
+
+bool register_chunked(Dtype dtype, int head_dim, LinStateFn state, LinReadFn read) {
+  chunked_registry()[{static_cast<int>(dtype), head_dim}] = {state, read};
+  return true;
+}
+
+bool find_chunked(Dtype dtype, int head_dim, LinStateFn* state, LinReadFn* read) {
+  auto it = chunked_registry().find({static_cast<int>(dtype), head_dim});
+  if (it == chunked_registry().end() || !use_sm90()) return false;
+  std::tie(*state, *read) = it->second;
+  return true;
+}
+
 bool use_sm90() {
   const char* portable = std::getenv("ATTN_PORTABLE_KERNELS");  // read per call: tests flip it in-process
   if (portable && *portable && std::string(portable) != "0") return false;
@@ -289,8 +308,99 @@ std::tuple<Tensor, Tensor> attn_linear(const Tensor& ux, const Tensor& uw, const
   return {r1, r2};
 }
 
-// The linear form's row passes (aux.cu): natural (B, H, n, D) rows <-> chunk-major (B, chunks, H,
-// kLinChunk, W) ones, chunk row t = natural row t - shift.
+// The chunked Hopper linear form (lin_sm90.cuh) over chunk-major (B, chunks, heads, L, D + 16) tensors.
+attn::Dtype chunked_kernels(const Tensor& x, attn::LinStateFn* state, attn::LinReadFn* read, const char* op) {
+  attn::Dtype dtype;
+  TORCH_CHECK(x.dim() == 5, "attn_cuda: ", op, ": expected chunk-major (B, chunks, heads, L, D + 16) rows, got ",
+              x.sizes());
+  const int D = static_cast<int>(x.size(4)) - 16;
+  TORCH_CHECK(x.is_cuda() && x.is_contiguous() && kernel_dtype(x.scalar_type(), &dtype) &&
+                  attn::find_chunked(dtype, D, state, read),
+              "attn_cuda: ", op, ": no chunked linear-form kernel for ", x.scalar_type(), ", ", x.sizes(),
+              " on this device (see chunked_head_dims)");
+  return dtype;
+}
+
+// Image bytes per (batch, kv head, chunk): tiles of 64 features x (D + 8 rounded up to 32) columns.
+int64_t chunked_image_bytes(int64_t D, bool second) {
+  const int64_t nb = D / 16, groups = nb + 1 + (second ? 16 * nb * (nb + 1) / 2 : 0);
+  return (groups + 3) / 4 * ((D + 8 + 31) / 32) * 64 * 64;
+}
+
+// S per chunk of the rows x (features) and w (weights), heads rows' heads summed per kv head; image
+// (B, Hkv, causal ? chunks : 1, bytes) uint8. scale: one fp32, the power of two S is stored at.
+Tensor attn_lin_state(const Tensor& x, const Tensor& w, int64_t heads, bool causal, bool reverse, bool second,
+                      at::ArrayRef<double> coef, const Tensor& scale) {
+  attn::LinStateFn state;
+  attn::LinReadFn read;
+  chunked_kernels(x, &state, &read, "lin_state");
+  TORCH_CHECK(w.sizes() == x.sizes() && w.scalar_type() == x.scalar_type() && w.is_contiguous() &&
+                  w.device() == x.device() && heads > 0 && x.size(2) % heads == 0 && coef.size() == 3,
+              "attn_cuda: lin_state: w must be like x, heads divide x's heads, coef is (c0, c1, c2)");
+  TORCH_CHECK(scale.is_cuda() && scale.scalar_type() == at::kFloat && scale.numel() == 1,
+              "attn_cuda: lin_state: scale is one fp32 on the device");
+  TORCH_CHECK(x.size(3) % 64 == 0, "attn_cuda: lin_state: rows per chunk must be a multiple of 64, got ", x.size(3));
+  const c10::cuda::CUDAGuard guard(x.device());
+  attn::LinStateParams p{};
+  p.B = x.size(0), p.chunks = x.size(1), p.Hkv = x.size(2) / heads, p.L = x.size(3), p.heads = heads;
+  p.x = x.data_ptr(), p.w = w.data_ptr();
+  p.causal = causal, p.reverse = reverse, p.second = second;
+  for (int i = 0; i < 3; ++i) p.coef[i] = coef[i];
+  p.scale = scale.data_ptr<float>();
+  Tensor image = at::empty({p.B, p.Hkv, causal ? p.chunks : 1, chunked_image_bytes(x.size(4) - 16, second)},
+                           x.options().dtype(at::kByte));
+  p.image = image.data_ptr();
+  if (p.B * p.Hkv > 0) check_ok(state(p, c10::cuda::getCurrentCUDAStream()), "lin_state kernel");
+  return image;
+}
+
+// Reads of the image by the rows x: r1 = psi(x) S (fp32, D + 16 wide, zero from column r1_cols on) and, with
+// g, r2 = d psi(x) . S g (fp32, D wide); both divided by scale. heads: readers per kv head.
+std::tuple<Tensor, Tensor> attn_lin_read(const Tensor& x, const optional<Tensor>& g, const Tensor& image,
+                                         int64_t heads, bool second, int64_t r1_cols, const Tensor& scale) {
+  attn::LinStateFn state;
+  attn::LinReadFn read;
+  chunked_kernels(x, &state, &read, "lin_read");
+  const int64_t D = x.size(4) - 16, Hkv = heads > 0 ? x.size(2) / heads : 0;
+  TORCH_CHECK(heads > 0 && x.size(2) % heads == 0 && image.dim() == 4 && image.is_contiguous() &&
+                  image.size(0) == x.size(0) && image.size(1) == Hkv &&
+                  (image.size(2) == x.size(1) || image.size(2) == 1) &&
+                  image.size(3) == chunked_image_bytes(D, second),
+              "attn_cuda: lin_read: image does not match x (", image.sizes(), ")");
+  TORCH_CHECK(!g || (g->sizes() == x.sizes() && g->scalar_type() == x.scalar_type() && g->is_contiguous()),
+              "attn_cuda: lin_read: g must be like x");
+  TORCH_CHECK(r1_cols >= 0 && r1_cols <= D + 8 && (r1_cols > 0 || g), "attn_cuda: lin_read: r1_cols in [0, D + 8], "
+              "and something to read");
+  TORCH_CHECK(x.size(3) % 128 == 0, "attn_cuda: lin_read: rows per chunk must be a multiple of 128, got ", x.size(3));
+  const c10::cuda::CUDAGuard guard(x.device());
+  attn::LinReadParams p{};
+  p.B = x.size(0), p.chunks = x.size(1), p.Hkv = Hkv, p.L = x.size(3), p.heads = heads;
+  p.x = x.data_ptr(), p.g = g ? g->data_ptr() : nullptr, p.image = image.data_ptr();
+  p.per_chunk = image.size(2) > 1 || x.size(1) == 1, p.second = second, p.r1_cols = r1_cols;
+  p.scale = scale.data_ptr<float>();
+  const auto f32 = x.options().dtype(at::kFloat);
+  Tensor r1 = r1_cols > 0 ? at::empty(x.sizes(), f32) : at::empty({0}, f32);
+  Tensor r2 = g ? at::empty({x.size(0), x.size(1), x.size(2), x.size(3), D}, f32) : at::empty({0}, f32);
+  p.r1 = r1_cols > 0 ? r1.data_ptr<float>() : nullptr;
+  p.r2 = g ? r2.data_ptr<float>() : nullptr;
+  if (p.B * p.chunks * p.Hkv > 0) check_ok(read(p, c10::cuda::getCurrentCUDAStream()), "lin_read kernel");
+  return {r1, r2};
+}
+
+std::vector<int64_t> chunked_head_dims(at::ScalarType dtype) {
+  attn::Dtype d;
+  std::vector<int64_t> dims;
+  attn::LinStateFn state;
+  attn::LinReadFn read;
+  if (kernel_dtype(dtype, &d))
+    for (int64_t D : attn::compiled_head_dims(d))
+      if (attn::find_chunked(d, D, &state, &read)) dims.push_back(D);
+  return dims;
+}
+
+// The linear form's row passes (aux.cu): natural (B, H, n, D) rows <-> chunk-major (B, chunks, H, L, W)
+// ones, chunk row t = natural row t - shift; L (rows per chunk) is 128 for the sweep (kLinChunk) and
+// larger for the Hopper chunked form.
 attn::Dtype lin_dtype(at::ScalarType t) {
   attn::Dtype d;
   TORCH_CHECK((t == at::kHalf || t == at::kBFloat16) && kernel_dtype(t, &d),
@@ -300,17 +410,19 @@ attn::Dtype lin_dtype(at::ScalarType t) {
 
 void check_chunk_major(const Tensor& t, int64_t b, int64_t h, int64_t w, const char* name) {
   TORCH_CHECK(t.is_cuda() && t.is_contiguous() && t.dim() == 5 && t.size(0) == b && t.size(2) == h &&
-                  t.size(3) == attn::kLinChunk && t.size(4) == w,
-              "attn_cuda: ", name, ": expected a contiguous chunk-major (", b, ", chunks, ", h, ", ",
-              attn::kLinChunk, ", ", w, ") CUDA tensor, got ", t.sizes());
+                  t.size(3) % 64 == 0 && t.size(3) > 0 && t.size(4) == w,
+              "attn_cuda: ", name, ": expected a contiguous chunk-major (", b, ", chunks, ", h, ", L, ", w,
+              ") CUDA tensor with L a multiple of 64, got ", t.sizes());
 }
 
 Tensor attn_lin_rows(const Tensor& x, const optional<Tensor>& mask, const optional<Tensor>& mu, int64_t shift,
-                     int64_t n_pad, int64_t width) {
+                     int64_t n_pad, int64_t width, int64_t chunk) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 4, "attn_cuda: lin_rows: x must be a (B, H, N, D) CUDA tensor");
   const int64_t B = x.size(0), H = x.size(1), N = x.size(2), D = x.size(3);
-  TORCH_CHECK(N > 0 && n_pad % attn::kLinChunk == 0 && (width == D || width == D + 16) && D % 2 == 0,
-              "attn_cuda: lin_rows: bad shape or width");
+  TORCH_CHECK(chunk > 0 && chunk % 64 == 0 && n_pad % chunk == 0,
+              "attn_cuda: lin_rows: chunk must be a positive multiple of 64 that divides n_pad, got chunk=", chunk,
+              ", n_pad=", n_pad);
+  TORCH_CHECK(N > 0 && (width == D || width == D + 16) && D % 2 == 0, "attn_cuda: lin_rows: bad shape or width");
   bool pairs = x.stride(3) == 1 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0;
   for (int d = 0; d < 3; ++d) pairs = pairs && x.stride(d) % 2 == 0;
   const Tensor xs = pairs ? x : x.contiguous();
@@ -319,10 +431,10 @@ Tensor attn_lin_rows(const Tensor& x, const optional<Tensor>& mask, const option
   if (mu) TORCH_CHECK(mu->scalar_type() == at::kFloat && mu->is_contiguous() && mu->sizes() == at::IntArrayRef({B, H, D}),
                       "attn_cuda: lin_rows: mu must be contiguous fp32 (B, H, D)");
   const c10::cuda::CUDAGuard guard(x.device());
-  Tensor dst = at::empty({B, n_pad / attn::kLinChunk, H, attn::kLinChunk, width}, x.options());
+  Tensor dst = at::empty({B, n_pad / chunk, H, chunk, width}, x.options());
   check_ok(attn::run_lin_rows(lin_dtype(x.scalar_type()), xs.data_ptr(), xs.stride(0), xs.stride(1), xs.stride(2),
                               mask ? mask->data_ptr<bool>() : nullptr, mu ? mu->data_ptr<float>() : nullptr, B, H, N,
-                              D, width, n_pad, shift, dst.data_ptr(), c10::cuda::getCurrentCUDAStream()),
+                              D, width, n_pad, chunk, shift, dst.data_ptr(), c10::cuda::getCurrentCUDAStream()),
            "lin_rows");
   return dst;
 }
@@ -330,20 +442,21 @@ Tensor attn_lin_rows(const Tensor& x, const optional<Tensor>& mask, const option
 std::tuple<Tensor, Tensor> attn_lin_out(const Tensor& y, const optional<Tensor>& o, const optional<Tensor>& stat,
                                         int64_t shift, int64_t n, at::ScalarType dtype) {
   TORCH_CHECK(y.dim() == 5 && y.scalar_type() == at::kFloat, "attn_cuda: lin_out: y must be fp32 chunk-major");
-  const int64_t B = y.size(0), chunks = y.size(1), H = y.size(2), D = y.size(4) - 16, n_pad = chunks * attn::kLinChunk;
+  const int64_t B = y.size(0), chunks = y.size(1), H = y.size(2), L = y.size(3), D = y.size(4) - 16;
+  const int64_t n_pad = chunks * L;
   check_chunk_major(y, B, H, D + 16, "lin_out y");
   TORCH_CHECK(o.has_value() == stat.has_value(), "attn_cuda: lin_out: o and stat come together");
   if (o) {
     TORCH_CHECK(o->is_contiguous() && o->scalar_type() == dtype && o->numel() == B * n_pad * H * D &&
                     stat->is_contiguous() && stat->scalar_type() == at::kFloat && stat->numel() == B * n_pad * H,
-                "attn_cuda: lin_out: o (B * chunks, H, ", attn::kLinChunk, ", D) and stat (B * chunks, H, ",
-                attn::kLinChunk, ") contiguous");
+                "attn_cuda: lin_out: o (B * chunks, H, ", L, ", D) and stat (B * chunks, H, ", L,
+                ") contiguous");
   }
   const c10::cuda::CUDAGuard guard(y.device());
   Tensor out = at::empty({B, H, n, D}, y.options().dtype(dtype));
-  Tensor inv_l = at::empty({B, chunks, H, attn::kLinChunk}, y.options());
+  Tensor inv_l = at::empty({B, chunks, H, L}, y.options());
   check_ok(attn::run_lin_out(lin_dtype(dtype), y.data_ptr<float>(), o ? o->data_ptr() : nullptr,
-                             stat ? stat->data_ptr<float>() : nullptr, B, H, n, D, n_pad, shift, out.data_ptr(),
+                             stat ? stat->data_ptr<float>() : nullptr, B, H, n, D, n_pad, L, shift, out.data_ptr(),
                              inv_l.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()),
            "lin_out");
   return {out, inv_l};
@@ -355,19 +468,19 @@ std::tuple<Tensor, Tensor> attn_lin_g(const Tensor& dout, const Tensor& out, con
               "attn_cuda: lin_g: dout and out must be alike (B, H, n, D)");
   const int64_t B = dout.size(0), H = dout.size(1), n = dout.size(2), D = dout.size(3);
   TORCH_CHECK(inv_l.dim() == 4 && inv_l.is_contiguous() && inv_l.scalar_type() == at::kFloat && inv_l.size(0) == B &&
-                  inv_l.size(2) == H && inv_l.size(3) == attn::kLinChunk,
-              "attn_cuda: lin_g: inv_l must be fp32 (B, chunks, H, ", attn::kLinChunk, ")");
+                  inv_l.size(2) == H && inv_l.size(3) % 64 == 0 && inv_l.size(3) > 0,
+              "attn_cuda: lin_g: inv_l must be fp32 (B, chunks, H, L), L a multiple of 64");
   TORCH_CHECK(mu.scalar_type() == at::kFloat && mu.is_contiguous() && mu.sizes() == at::IntArrayRef({B, H, D}) &&
                   cmax.scalar_type() == at::kFloat && cmax.numel() == 1,
               "attn_cuda: lin_g: mu must be fp32 (B, H, D) and cmax one fp32");
-  const int64_t chunks = inv_l.size(1), n_pad = chunks * attn::kLinChunk;
+  const int64_t chunks = inv_l.size(1), L = inv_l.size(3), n_pad = chunks * L;
   const c10::cuda::CUDAGuard guard(dout.device());
   const Tensor dO = dout.contiguous(), O = out.contiguous();
   const auto f32 = inv_l.options();
   Tensor delta = at::empty_like(inv_l), gmax = at::zeros({1}, f32.dtype(at::kInt)), scale = at::empty({1}, f32);
-  Tensor g = at::empty({B, chunks, H, attn::kLinChunk, D + 16}, dout.options());
+  Tensor g = at::empty({B, chunks, H, L, D + 16}, dout.options());
   check_ok(attn::run_lin_g(lin_dtype(dout.scalar_type()), dO.data_ptr(), O.data_ptr(), inv_l.data_ptr<float>(),
-                           mu.data_ptr<float>(), cmax.data_ptr<float>(), B, H, n, D, n_pad, shift,
+                           mu.data_ptr<float>(), cmax.data_ptr<float>(), B, H, n, D, n_pad, L, shift,
                            delta.data_ptr<float>(), reinterpret_cast<unsigned*>(gmax.data_ptr<int>()), g.data_ptr(),
                            scale.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()),
            "lin_g");
@@ -380,16 +493,16 @@ Tensor attn_lin_grad(const Tensor& acc, const Tensor& scale, const optional<Tens
               "attn_cuda: lin_grad: acc must be contiguous fp32 chunk-major");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == 1, "attn_cuda: lin_grad: scale is one fp32");
   const int64_t B = acc.size(0), chunks = acc.size(1), H = acc.size(2), W = acc.size(4);
-  const int64_t n_pad = chunks * attn::kLinChunk;
+  const int64_t L = acc.size(3), n_pad = chunks * L;
   check_chunk_major(acc, B, H, W, "lin_grad acc");
   if (diag)
     TORCH_CHECK(diag->is_contiguous() && diag->scalar_type() == dtype && diag->numel() == B * n_pad * H * D,
-                "attn_cuda: lin_grad: diag must be contiguous (B * chunks, H, ", attn::kLinChunk, ", D)");
+                "attn_cuda: lin_grad: diag must be contiguous (B * chunks, H, ", L, ", D)");
   TORCH_CHECK(D <= W && n + shift <= n_pad, "attn_cuda: lin_grad: rows or width out of range");
   const c10::cuda::CUDAGuard guard(acc.device());
   Tensor out = at::empty({B, H, n, D}, acc.options().dtype(dtype));
   check_ok(attn::run_lin_grad(lin_dtype(dtype), acc.data_ptr<float>(), W, scale.data_ptr<float>(),
-                              diag ? diag->data_ptr() : nullptr, B, H, n, D, n_pad, shift, out.data_ptr(),
+                              diag ? diag->data_ptr() : nullptr, B, H, n, D, n_pad, L, shift, out.data_ptr(),
                               c10::cuda::getCurrentCUDAStream()),
            "lin_grad");
   return out;
@@ -413,11 +526,16 @@ TORCH_LIBRARY(attn_cuda, m) {
   m.def(
       "linear(Tensor ux, Tensor uw, Tensor rx, Tensor? rg, int upd_heads, int rd_heads, bool causal, bool reverse, "
       "bool second, float[] cu, float[] cr, int r1_tiles, bool want_r2) -> (Tensor, Tensor)");
-  m.def("lin_rows(Tensor x, Tensor? mask, Tensor? mu, int shift, int n_pad, int width) -> Tensor");
+  m.def("lin_rows(Tensor x, Tensor? mask, Tensor? mu, int shift, int n_pad, int width, int chunk) -> Tensor");
   m.def("lin_out(Tensor y, Tensor? o, Tensor? stat, int shift, int n, ScalarType dtype) -> (Tensor, Tensor)");
   m.def("lin_g(Tensor dout, Tensor out, Tensor inv_l, Tensor mu, Tensor cmax, int shift) -> (Tensor, Tensor)");
   m.def("lin_grad(Tensor acc, Tensor scale, Tensor? diag, int shift, int n, int dim, ScalarType dtype) -> Tensor");
   m.def("head_dims(ScalarType dtype) -> int[]", &head_dims);
+  m.def("lin_state(Tensor x, Tensor w, int heads, bool causal, bool reverse, bool second, float[] coef, "
+        "Tensor scale) -> Tensor");
+  m.def("lin_read(Tensor x, Tensor? g, Tensor image, int heads, bool second, int r1_cols, Tensor scale) "
+        "-> (Tensor, Tensor)");
+  m.def("chunked_head_dims(ScalarType dtype) -> int[]", &chunked_head_dims);
 }
 
 TORCH_LIBRARY_IMPL(attn_cuda, CUDA, m) {
@@ -428,4 +546,6 @@ TORCH_LIBRARY_IMPL(attn_cuda, CUDA, m) {
   m.impl("lin_out", &attn_lin_out);
   m.impl("lin_g", &attn_lin_g);
   m.impl("lin_grad", &attn_lin_grad);
+  m.impl("lin_state", &attn_lin_state);
+  m.impl("lin_read", &attn_lin_read);
 }

@@ -61,7 +61,8 @@ struct Params {
 };
 
 // Fastmax's linear form (linear.cuh): one sweep over the chunks of a sequence, carrying moments.
-constexpr int kLinChunk = 128;  // rows per chunk; the chunk's own (diagonal) block is left to the tiled kernels
+// The sweep's rows per chunk; the chunk's own (diagonal) block is left to the tiled kernels.
+constexpr int kLinChunk = 128;
 
 struct LinParams {
   int B, Hkv, chunks;
@@ -78,15 +79,41 @@ struct LinParams {
   int parts;                     // set by the launcher: CTAs over the second-order rows (per m-tile)
 };
 
+// The Hopper linear form in chunks with the state written out per chunk (lin_sm90.cuh).
+struct LinStateParams {
+  int B, Hkv, chunks, L, heads;  // heads: the rows' heads per kv head, all summed into one state
+  const void *x, *w;             // chunk-major (B, chunks, Hkv * heads, L, D + 16)
+  void* image;                   // (B, Hkv, causal ? chunks : 1, tiles, kTileBytes)
+  bool causal, reverse, second;
+  float coef[3];                 // (c0, c1, c2) of both sides, multiplied
+  const float* scale;            // one fp32: the power of two the image holds S at (fp16's range)
+};
+
+struct LinReadParams {
+  int B, Hkv, chunks, L, heads;  // heads: the readers' heads per kv head
+  const void *x, *g;             // chunk-major (B, chunks, Hkv * heads, L, D + 16); g for R2
+  const void* image;             // from lin_state
+  bool per_chunk, second;
+  float* r1;                     // (B, chunks, Hkv * heads, L, D + 16) fp32, or null: y = psi(x) S / scale
+  int r1_cols;                   // columns of y written
+  float* r2;                     // (B, chunks, Hkv * heads, L, D) fp32, or null: d psi(x) . S g / scale
+  const float* scale;
+};
+
 using FwdFn = cudaError_t (*)(const Params&, Score, cudaStream_t);
 using BwdFn = cudaError_t (*)(const Params&, Score, cudaStream_t);
 using LinFn = cudaError_t (*)(LinParams, cudaStream_t);
+using LinStateFn = cudaError_t (*)(const LinStateParams&, cudaStream_t);
+using LinReadFn = cudaError_t (*)(const LinReadParams&, cudaStream_t);
 
 // Each compiled (dtype, head dim) registers its kernels at load time; builds may compile a subset. The
 // linear form exists for fp16 and bf16 only (lin is null for fp32).
 bool register_kernels(Dtype dtype, int head_dim, FwdFn fwd, BwdFn bwd, LinFn lin);
 bool find_kernels(Dtype dtype, int head_dim, FwdFn* fwd, BwdFn* bwd, LinFn* lin = nullptr);
 std::vector<int64_t> compiled_head_dims(Dtype dtype);
+// The chunked Hopper linear form, where the build has it (sm_90a, fp16/bf16, d64 and d128).
+bool register_chunked(Dtype dtype, int head_dim, LinStateFn state, LinReadFn read);
+bool find_chunked(Dtype dtype, int head_dim, LinStateFn* state, LinReadFn* read);
 // Whether to run the Hopper (wgmma) kernels where they are built (macro ATTN_SM90A): on a compute
 // capability 9.0 device, unless the environment sets ATTN_PORTABLE_KERNELS=1 (the mma.sync kernels).
 bool use_sm90();
@@ -105,22 +132,22 @@ cudaError_t run_dq_finalize(Dtype dtype, const Params& p, int D, bool tiles, cud
 int64_t dq_accum_size(int B, int H, int I, int D);
 
 // The linear form's row passes (aux.cu), between natural (B,H,n,D) rows (contiguous unless strides are
-// given) and chunk-major (B, n_pad / kLinChunk, H, kLinChunk, W) ones whose row t holds row t - shift.
+// given) and chunk-major (B, n_pad / L, H, L, W) ones whose row t holds row t - shift.
 // x - mu[b,h] where mask (B,N) keeps the row (else 0); W = D + 16 adds the columns [keep, 0 ... 0].
 cudaError_t run_lin_rows(Dtype dtype, const void* x, int64_t sb, int64_t sh, int64_t si, const bool* mask,
-                         const float* mu, int B, int H, int N, int D, int W, int n_pad, int shift, void* dst,
+                         const float* mu, int B, int H, int N, int D, int W, int n_pad, int L, int shift, void* dst,
                          cudaStream_t stream);
 // out = (num + o / stat) / (l + 1 / stat) from y = [num, l] (fp32, D + 16 wide) and the diagonal blocks'
 // o and stat (null when there are none); inv_l = 1 / (l + 1 / stat) for every chunk row.
 cudaError_t run_lin_out(Dtype dtype, const float* y, const void* o, const float* stat, int B, int H, int n, int D,
-                        int n_pad, int shift, void* out, float* inv_l, cudaStream_t stream);
+                        int n_pad, int L, int shift, void* out, float* inv_l, cudaStream_t stream);
 // g = [dO, -dO . (O - mu)] * inv_l / scale as D + 16 wide rows, scale a power of two from max |g| and
 // *cmax; delta (chunk rows) and gmax (one word, zero on entry) are scratch.
 cudaError_t run_lin_g(Dtype dtype, const void* dout, const void* out, const float* inv_l, const float* mu,
-                      const float* cmax, int B, int H, int n, int D, int n_pad, int shift, float* delta,
+                      const float* cmax, int B, int H, int n, int D, int n_pad, int L, int shift, float* delta,
                       unsigned* gmax, void* g, float* scale, cudaStream_t stream);
 // out = acc[:, :D] * *scale + diag (diag may be null), back to natural rows.
 cudaError_t run_lin_grad(Dtype dtype, const float* acc, int W, const float* scale, const void* diag, int B, int H,
-                         int n, int D, int n_pad, int shift, void* out, cudaStream_t stream);
+                         int n, int D, int n_pad, int L, int shift, void* out, cudaStream_t stream);
 
 }  // namespace attn

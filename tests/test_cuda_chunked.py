@@ -1,0 +1,90 @@
+"""The chunked Hopper linear form (attn_cuda::lin_state + lin_read, csrc/lin_sm90.cuh) against float64, on
+chunk-major rows, next to the sweep it replaces on Hopper (attn_cuda::linear) on the same inputs.
+
+Error rule: the chunked ops' largest error (relative to the largest reference value) is at most twice the
+sweep's plus 1e-3; end to end, through fastmax_attention, both meet the FA rule (test_cuda_linear.py).
+"""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def ops():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from attention_cuda._cuda import unavailable_reason
+    if unavailable_reason() is not None or not torch.ops.attn_cuda.chunked_head_dims(torch.bfloat16):
+        pytest.skip("chunked linear-form kernels not built for this device")
+    return torch.ops.attn_cuda
+
+
+def rows(shape, d, dtype, gen, spread=1.0, keep=1.0):
+    x = torch.zeros(*shape, d + 16, device="cuda")
+    x[..., :d] = torch.randn(*shape, d, device="cuda", generator=gen) * spread
+    x[..., d] = (torch.rand(*shape, device="cuda", generator=gen) < keep).float()
+    return x.to(dtype)
+
+
+def image_scale(ux, uw, heads, coef):
+    """A power of two that keeps S within fp16's range: from a bound on |S| (rows x max |phi| x max |w|)."""
+    n = ux.shape[1] * ux.shape[3] * heads
+    bound = (n * ux.float().abs().amax().clamp_min(1) ** 2 * uw.float().abs().amax()
+             * max(abs(coef[0]), abs(coef[1]), 2 * abs(coef[2])))
+    return torch.exp2(torch.floor(torch.log2(2.0 ** 14 / bound))).reshape(1)
+
+
+def reference(ux, uw, rx, rg, upd, rd, causal, reverse, coef):
+    """R1 = sum_s f(x_t, u_s) w_s and R2 = d/dx_t sum_s f(x_t, u_s) (w_s . g_t) over the visible chunks."""
+    c0, c1, c2 = coef
+    ux, uw, rx, rg = (t.double() for t in (ux, uw, rx, rg))
+    B, C, _, L, W = ux.shape
+    d = W - 16
+    r1, r2 = torch.zeros_like(rx), torch.zeros(*rx.shape[:4], d, dtype=torch.float64, device="cuda")
+    for b in range(B):
+        for kv in range(ux.shape[2] // upd):
+            U = ux[b, :, kv * upd:(kv + 1) * upd].reshape(C, -1, W)
+            V = uw[b, :, kv * upd:(kv + 1) * upd].reshape(C, -1, W)
+            for c in range(C):
+                seen = [j for j in range(C) if not causal or (j > c if reverse else j < c)]
+                if not seen:
+                    continue
+                u, w = U[seen].reshape(-1, W), V[seen].reshape(-1, W)
+                x, g = rx[b, c, kv * rd:(kv + 1) * rd], rg[b, c, kv * rd:(kv + 1) * rd]
+                dot = x[..., :d] @ u[:, :d].T
+                f = c0 * x[..., d:d + 1] * u[:, d] + c1 * dot + c2 * dot ** 2
+                r1[b, c, kv * rd:(kv + 1) * rd] = f @ w
+                r2[b, c, kv * rd:(kv + 1) * rd] = ((g @ w.T) * (c1 + 2 * c2 * dot)) @ u[:, :d]
+    return r1, r2
+
+
+@pytest.mark.parametrize("heads", [(1, 2), (2, 1)])
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize("order", ["causal", "reverse", "all"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda t: str(t).split(".")[-1])
+def test_chunked_matches_float64(dtype, d, order, p, heads):
+    o = ops()
+    if d not in o.chunked_head_dims(dtype):
+        pytest.skip(f"no chunked kernel for {dtype} d{d}")
+    upd, rd = heads
+    causal, reverse, second = order != "all", order == "reverse", p == 2
+    gen = torch.Generator(device="cuda").manual_seed(d + 7 * upd + 31 * p)
+    B, C, L, hkv = 2, 3, 128, 2
+    ux = rows((B, C, hkv * upd, L), d, dtype, gen, 0.3, keep=0.8)  # some masked rows (constant 0)
+    uw = rows((B, C, hkv * upd, L), d, dtype, gen)
+    rx = rows((B, C, hkv * rd, L), d, dtype, gen, 0.3)
+    rg = rows((B, C, hkv * rd, L), d, dtype, gen, 0.01)
+    cu, cr = [1.0, 1.0, 1.0], [0.7, 0.5, 0.125]
+    coef = [a * b for a, b in zip(cu, cr)]
+    scale = image_scale(ux, uw, upd, coef)
+    image = o.lin_state(ux, uw, upd, causal, reverse, second, coef, scale)
+    n1, n2 = o.lin_read(rx, rg, image, rd, second, d + 8, scale)
+    s1, s2 = o.linear(ux, uw, rx, rg, upd, rd, causal, reverse, second, cu, cr, (d + 16) // 16, True)
+    f1, f2 = reference(ux, uw, rx, rg, upd, rd, causal, reverse, coef if second else coef[:2] + [0.0])
+
+    def err(a, ref, cols):
+        return ((a[..., :cols].double() - ref[..., :cols]).abs().max() / ref[..., :cols].abs().max()).item()
+    for name, new, sweep, ref, cols in (("R1", n1, s1, f1, d + 1), ("R2", n2, s2, f2, d)):
+        assert torch.isfinite(new[..., :cols]).all(), name
+        assert err(new, ref, cols) <= 2 * err(sweep, ref, cols) + 1e-3, (name, err(new, ref, cols), err(sweep, ref, cols))
