@@ -165,21 +165,19 @@ LINEAR_CHUNK = 128  # rows per chunk of the sweep (linear.cuh): kLinChunk in csr
 CHUNKED_ROWS = 1024
 
 
-def _chunk_rows(dtype, d) -> int:
-    """Rows per chunk: CHUNKED_ROWS where the chunked kernels run (sm_90a builds on an H100/H200, fp16 and
-    bf16, d64 and d128), else the sweep's LINEAR_CHUNK."""
-    if CHUNKED_ROWS and d in torch.ops.attn_cuda.chunked_head_dims(dtype):
-        return CHUNKED_ROWS
-    return LINEAR_CHUNK
+def _chunked_form(dtype, d) -> bool:
+    """Whether the moments run on the chunked kernels, CHUNKED_ROWS rows per chunk (sm_90a builds on an
+    H100/H200, fp16 and bf16, d64 and d128), rather than on the sweep, LINEAR_CHUNK rows per chunk."""
+    return bool(CHUNKED_ROWS) and d in torch.ops.attn_cuda.chunked_head_dims(dtype)
 
 
-def _moments(ux, uw, rx, rg, upd, rd, causal, reverse, second, cu, cr, r1_cols):
+def _moments(chunked, ux, uw, rx, rg, upd, rd, causal, reverse, second, cu, cr, r1_cols):
     """R1 = psi(rx) S (its first r1_cols columns) and, given rg, R2 = d psi(rx) . S rg, with S the moments
     of phi(ux) uw^T over the visible chunks (before each chunk; after it with reverse; all when not causal).
-    cu and cr: the coefficients on ux's and rx's side. On the sweep for 128-row chunks, else on the
-    chunked kernels: lin_state writes S per chunk, lin_read reads every chunk at once."""
+    cu and cr: the coefficients on ux's and rx's side. On the sweep, or (chunked) on the chunked kernels:
+    lin_state writes S per chunk, lin_read reads every chunk at once."""
     ops = torch.ops.attn_cuda
-    if ux.shape[3] == LINEAR_CHUNK:
+    if not chunked:
         return ops.linear(ux, uw, rx, rg, upd, rd, causal, reverse, second, cu, cr, -(-r1_cols // 16), rg is not None)
     coef = [a * b for a, b in zip(cu, cr)]
     scale = _image_scale(ux, uw, upd, coef)
@@ -224,7 +222,8 @@ def linear_attention(q, k, v, mask, causal: bool, policy: ScorePolicy) -> torch.
     from .reference import scale_rows
 
     dtype = _run_dtype(q)
-    chunk = _chunk_rows(dtype, q.shape[-1])
+    chunked = _chunked_form(dtype, q.shape[-1])
+    chunk = CHUNKED_ROWS if chunked else LINEAR_CHUNK
     if k.shape[2] <= chunk:
         # All keys fit in one chunk: the tiled kernel does the whole call as one block, at I*J*D, below
         # the moments' cost, and rounded as the quadratic form. It also matters for precision: with one
@@ -240,7 +239,7 @@ def linear_attention(q, k, v, mask, causal: bool, policy: ScorePolicy) -> torch.
     front = k.shape[2] - q.shape[2] if causal else 0
     mask = None if mask is None else mask.contiguous()
     return _LinearAttention.apply(q, k, v, mask, causal, (policy.a0, policy.a1, policy.a2), policy.scale,
-                                  max(front, 0), max(-front, 0), chunk)
+                                  max(front, 0), max(-front, 0), chunk, chunked)
 
 
 class _LinearAttention(torch.autograd.Function):
@@ -257,7 +256,7 @@ class _LinearAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, causal, coefs, scale, shift_q, shift_k, chunk):
+    def forward(ctx, q, k, v, mask, causal, coefs, scale, shift_q, shift_k, chunk, chunked):
         ops = torch.ops.attn_cuda
         b, h, i, d = q.shape
         hkv, j = k.shape[1], k.shape[2]
@@ -268,7 +267,8 @@ class _LinearAttention(torch.autograd.Function):
         kc = ops.lin_rows(k, mask, None, shift_k, n_pad, d + 16, chunk)
         vc = ops.lin_rows(v, mask, None, shift_k, n_pad, d + 16, chunk)
         cr = [coefs[0], coefs[1] * scale, coefs[2] * scale * scale]  # the query side's, temperature included
-        y, _ = _moments(kc, vc, qc, None, 1, h // hkv, causal, False, coefs[2] != 0, [1.0, 1.0, 1.0], cr, d + 1)
+        y, _ = _moments(chunked, kc, vc, qc, None, 1, h // hkv, causal, False, coefs[2] != 0, [1.0, 1.0, 1.0], cr,
+                        d + 1)
         keep_c, diag = None, (None, None)
         if causal:
             keep = torch.ones(b, j, dtype=torch.bool, device=q.device) if mask is None else mask
@@ -276,14 +276,14 @@ class _LinearAttention(torch.autograd.Function):
             diag = ops.fwd(*_diagonal(qc, kc, vc), keep_c, None, True, "poly", scale, None, *coefs, True)[:2]
         out, inv_l = ops.lin_out(y, *diag, shift_q, i, q.dtype)
         ctx.save_for_backward(v, mask, qc, kc, vc, keep_c, out, inv_l)
-        ctx.args = (causal, coefs, scale, cr, shift_q, shift_k)
+        ctx.args = (causal, coefs, scale, cr, shift_q, shift_k, chunked)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         ops = torch.ops.attn_cuda
         v, mask, qc, kc, vc, keep_c, out, inv_l = ctx.saved_tensors
-        causal, coefs, scale, cr, shift_q, shift_k = ctx.args
+        causal, coefs, scale, cr, shift_q, shift_k, chunked = ctx.args
         b, h, i, d = out.shape
         hkv, j, chunk = v.shape[1], v.shape[2], qc.shape[3]
         n_pad = qc.shape[1] * chunk
@@ -305,8 +305,8 @@ class _LinearAttention(torch.autograd.Function):
         qmax = torch.linalg.vector_norm(qc[..., :d], float("inf"), dtype=torch.float32)
         cmax = qmax.clamp_min(1.0).reshape(1)
         g, gscale = ops.lin_g(dout, out, inv_l, mu.repeat_interleave(group, dim=1).contiguous(), cmax, shift_q)
-        _, dq = _moments(kc, vs, qc, g, 1, group, causal, False, second, [1.0, 1.0, 1.0], cr, 0)
-        dv, dk = _moments(qc, g, kc, vs, group, 1, causal, True, second, cr, [1.0, 1.0, 1.0], d)
+        _, dq = _moments(chunked, kc, vs, qc, g, 1, group, causal, False, second, [1.0, 1.0, 1.0], cr, 0)
+        dv, dk = _moments(chunked, qc, g, kc, vs, group, 1, causal, True, second, cr, [1.0, 1.0, 1.0], d)
         diag = (None, None, None)
         if causal:
             rows = (b * n_pad // chunk, h, chunk, d)
@@ -316,7 +316,7 @@ class _LinearAttention(torch.autograd.Function):
                            False)[:3]
         return (ops.lin_grad(dq, gscale, diag[0], shift_q, i, d, out.dtype),
                 ops.lin_grad(dk, gscale, diag[1], shift_k, j, d, out.dtype),
-                ops.lin_grad(dv, gscale, diag[2], shift_k, j, d, out.dtype), *([None] * 7))
+                ops.lin_grad(dv, gscale, diag[2], shift_k, j, d, out.dtype), *([None] * 8))
 
 
 def _diagonal(qc, kc, vc):
