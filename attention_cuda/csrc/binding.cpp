@@ -309,7 +309,7 @@ std::tuple<Tensor, Tensor> attn_linear(const Tensor& ux, const Tensor& uw, const
 }
 
 // The chunked Hopper linear form (lin_sm90.cuh) over chunk-major (B, chunks, heads, L, D + 16) tensors.
-attn::Dtype chunked_kernels(const Tensor& x, attn::LinStateFn* state, attn::LinReadFn* read, const char* op) {
+void chunked_kernels(const Tensor& x, attn::LinStateFn* state, attn::LinReadFn* read, const char* op) {
   attn::Dtype dtype;
   TORCH_CHECK(x.dim() == 5, "attn_cuda: ", op, ": expected chunk-major (B, chunks, heads, L, D + 16) rows, got ",
               x.sizes());
@@ -318,7 +318,6 @@ attn::Dtype chunked_kernels(const Tensor& x, attn::LinStateFn* state, attn::LinR
                   attn::find_chunked(dtype, D, state, read),
               "attn_cuda: ", op, ": no chunked linear-form kernel for ", x.scalar_type(), ", ", x.sizes(),
               " on this device (see chunked_head_dims)");
-  return dtype;
 }
 
 // Image bytes per (batch, kv head, chunk): tiles of 64 features x (D + 8 rounded up to 32) columns.
