@@ -1,17 +1,16 @@
 """Fastmax linear form end to end per chunk length (CHUNKED_ROWS; 0 = the sweep), b4 h8 d64 and b1 h32 d128,
 N16384 causal p=2 bf16: forward and forward+backward, then a per-kernel profile of one chunked d64 step
 (bench/runs/2026-11-22_s17_chunk-rows.txt)."""
+import statistics
+
 import torch
 import attention_cuda._cuda as cm
 from attention_cuda import fastmax_attention
-def t(fn, n=10):
-    for _ in range(3): fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(n): fn()
-    e.record(); torch.cuda.synchronize()
-    return s.elapsed_time(e) / n
+from benchmark import time_ms
+
+
+def t(fn):  # median ms of 10 CUDA-event-timed runs after 3 warm-ups
+    return statistics.median(time_ms(lambda i: fn(), 1, 3, 10, "cuda"))
 for d, (B, H) in ((64, (4, 8)), (128, (1, 32))):
     N = 16384
     g = torch.Generator(device="cuda").manual_seed(0)

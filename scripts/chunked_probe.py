@@ -1,8 +1,9 @@
 """Probe of the chunked Hopper linear form: 48 checks against float64 next to the sweep, then timings (bench/runs/2026-11-22_s16_chunked-linear.txt)."""
 # Chunked Hopper linear form (lin_state + lin_read) against the sweep (attn_cuda::linear) and a float64
 # reference, on chunk-major inputs; then timings at b4 h8 N16384.
-import math, sys, torch
+import math, statistics, sys, torch
 import attention_cuda._cuda as cu_mod
+from benchmark import time_ms
 cu_mod._load()
 ops = torch.ops.attn_cuda
 dev = "cuda"
@@ -84,14 +85,8 @@ for D, dtype, causal, reverse, second, upd, rd in cases:
 print("FAILS", fails, "of", len(cases))
 
 # Timing, b4 h8 d64 N16384 causal p=2 bf16.
-def t(fn, n=10):
-    for _ in range(2): fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(n): fn()
-    e.record(); torch.cuda.synchronize()
-    return s.elapsed_time(e) / n
+def t(fn):  # median ms of 10 CUDA-event-timed runs after 2 warm-ups
+    return statistics.median(time_ms(lambda i: fn(), 1, 2, 10, "cuda"))
 for D in (64, 128):
     B, H, N = (4, 8, 16384) if D == 64 else (1, 32, 16384)
     for L in ((128,) if False else ()) + (512, 1024):
