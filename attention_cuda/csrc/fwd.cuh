@@ -63,8 +63,12 @@ __device__ __forceinline__ void fwd_scores(const Params& p, const Policy& pol, f
         for (int e = 0; e < 4; ++e) f(s[mt][nc][e], mt, nc, e);
   };
 
-  const bool edge = n0 + kBc > p.J || br0 + kBr > p.I || mask != nullptr ||
-                    (p.causal && n0 + kBc - 1 > br0 + p.J - p.I);
+  // A tile has an edge where it cuts a sequence end or the causal diagonal, or where the key mask
+  // hides one of its keys: a mask that keeps the whole tile costs one ballot, not the per-element tests.
+  const bool cut = n0 + kBc > p.J || br0 + kBr > p.I || (p.causal && n0 + kBc - 1 > br0 + p.J - p.I);
+  constexpr uint32_t kAll = kNC == 16 ? ~0u : (1u << 2 * kNC) - 1;
+  const uint32_t cols = cut || mask != nullptr ? visible_cols<kNC>(p, mask, n0, tq) : kAll;
+  const bool edge = cut || (mask != nullptr && !__all_sync(~0u, cols == kAll));
 
   bool fused = false;
   if constexpr (!Policy::kRowMax) {
@@ -94,7 +98,6 @@ __device__ __forceinline__ void fwd_scores(const Params& p, const Policy& pol, f
     // diagonal or a key mask test visibility per element; only bias loads the bias.
     each_score([&](float& x, int mt, int nc, int e) { x *= scale_of(mt, nc, e); });
     if (edge) {
-      const uint32_t cols = visible_cols<kNC>(p, mask, n0 + 2 * tq);
       each_score([&](float& x, int mt, int nc, int e) {
         if (!(cols >> (2 * nc + (e & 1)) & 1) || nc * 8 + 2 * tq + (e & 1) > last[mt][e >> 1] - n0) x = -INFINITY;
       });

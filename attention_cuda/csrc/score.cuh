@@ -40,20 +40,24 @@ __device__ __forceinline__ int last_key(const Params& p, int t) {
   return t >= p.I ? -1 : p.causal ? min(t + p.J - p.I, p.J - 1) : p.J - 1;
 }
 
-// Bit 2*n + c set when key s0 + 8*n + c is inside the sequence and kept by the mask (`mask_row` is the
-// batch's row of the key mask, or null): the columns one thread holds in kN accumulator tiles.
+// Bit 2*n + c set when key n0 + 8*n + c + 2*tq is inside the sequence and kept by the mask (`mask_row`
+// is the batch's row of the key mask, or null): the columns one thread holds in kN accumulator tiles.
+// The whole warp calls it for one tile: lane l reads keys n0 + 4 l .. 4 l + 3 (four coalesced byte
+// loads, where each thread alone would need 2 kN), and four ballots hand every thread its bits: its
+// column 8 n + 2 tq + c lies in lane 2 n + tq / 2, byte 2 (tq % 2) + c.
 template <int kN>
-__device__ __forceinline__ uint32_t visible_cols(const Params& p, const uint8_t* mask_row, int s0) {
-  static_assert(kN <= 16, "32 bits");
-  uint32_t bits = 0;
+__device__ __forceinline__ uint32_t visible_cols(const Params& p, const uint8_t* mask_row, int n0, int tq) {
+  static_assert(kN <= 16, "32 bits: at most 128 keys, four per lane");
+  const int s0 = n0 + 4 * (threadIdx.x % 32);
+  uint32_t by[4];
 #pragma unroll
-  for (int n = 0; n < kN; ++n)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int s = s0 + 8 * n + c;
-      if (s < p.J && (mask_row == nullptr || mask_row[s])) bits |= 1u << (2 * n + c);
-    }
-  return bits;
+  for (int b = 0; b < 4; ++b) {
+    const int s = s0 + b;
+    by[b] = __ballot_sync(~0u, s < n0 + 8 * kN && s < p.J && (mask_row == nullptr || mask_row[s]));
+  }
+  const uint32_t lo = ((tq & 1) ? by[2] : by[0]) >> (tq / 2), hi = ((tq & 1) ? by[3] : by[1]) >> (tq / 2);
+  const uint32_t bits = (lo & 0x55555555u) | (hi & 0x55555555u) << 1;
+  return kN == 16 ? bits : bits & ((1u << 2 * kN) - 1);
 }
 
 // bias[b, h, t, s] for a visible pair (so t < I and s < J).

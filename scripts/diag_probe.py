@@ -1,0 +1,53 @@
+"""The linear form's diagonal blocks (one causal L x L block per chunk, on the tiled kernels) against the
+same work laid out plainly, b4 h8 N16384 d64 L1024 p=2 bf16: where does their time go?
+
+Each line times one attn_cuda::fwd or ::bwd call (benchmark.time_ms, median of 20): as the linear form
+calls it (chunk-major views of the (d + 16)-wide rows, with a key mask), without the mask, and on
+contiguous copies; and the whole quadratic form's forward for scale (its diagonal blocks are 1/16 of it).
+"""
+import statistics
+
+import torch
+
+import attention_cuda._cuda as cm
+from attention_cuda import fastmax_attention
+from benchmark import time_ms
+
+torch.manual_seed(0)
+ops = torch.ops.attn_cuda
+B, H, N, d, L = 4, 8, 16384, 64, 1024
+coefs, scale = (1.0, 1.0, 0.5), d ** -0.5
+
+
+def t(fn):
+    return statistics.median(time_ms(lambda i: fn(), 1, 3, 20, "cuda"))
+
+
+assert cm.unavailable_reason() is None, cm.unavailable_reason()
+q, k, v, do = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+qc, kc, vc = (ops.lin_rows(x, None, None, 0, N, d + 16, L) for x in (q, k, v))
+views = cm._diagonal(qc, kc, vc)
+plain = tuple(x.contiguous() for x in views)
+keep = torch.ones(B * N // L, L, dtype=torch.bool, device="cuda")
+rows = (B * N // L, H, L, d)
+dout_c = ops.lin_rows(do, None, None, 0, N, d, L).view(rows)
+
+
+def fwd(x, mask):
+    return ops.fwd(*x, mask, None, True, "poly", scale, None, *coefs, True)
+
+
+def bwd(x, mask, saved):
+    out, inv_l = saved[:2]
+    e = inv_l.new_empty(0)
+    return ops.bwd(dout_c, *x, mask, None, out, inv_l, e, e, True, "poly", scale, None, *coefs, True, False)
+
+
+for name, x, mask in (("views + mask (as called)", views, keep), ("views, no mask", views, None),
+                      ("contiguous, no mask", plain, None), ("contiguous + mask", plain, keep)):
+    saved = fwd(x, mask)
+    print(f"diag {name:26s} fwd {t(lambda: fwd(x, mask)):.3f} ms  bwd {t(lambda: bwd(x, mask, saved)):.3f} ms",
+          flush=True)
+with torch.no_grad():
+    tq = t(lambda: fastmax_attention(q, k, v, causal=True, temperature=d ** 0.5, form="quadratic", backend="cuda"))
+print(f"whole quadratic forward (N{N}): {tq:.3f} ms; 1/16 of it: {tq / 16:.3f} ms")
