@@ -171,18 +171,22 @@ def _chunked_form(dtype, d) -> bool:
     return bool(CHUNKED_ROWS) and d in torch.ops.attn_cuda.chunked_head_dims(dtype)
 
 
-def _moments(chunked, ux, uw, rx, rg, upd, rd, causal, reverse, second, cu, cr, r1_cols):
+def _moments(chunked, ux, uw, rx, rg, upd, rd, causal, reverse, second, cu, cr, r1_cols, state=None):
     """R1 = psi(rx) S (its first r1_cols columns) and, given rg, R2 = d psi(rx) . S rg, with S the moments
     of phi(ux) uw^T over the visible chunks (before each chunk; after it with reverse; all when not causal).
     cu and cr: the coefficients on ux's and rx's side. On the sweep, or (chunked) on the chunked kernels:
-    lin_state writes S per chunk, lin_read reads every chunk at once."""
+    lin_state writes S per chunk, lin_read reads every chunk at once. Returns (R1, R2, state), state =
+    (S's image, its scale) on the chunked kernels (None on the sweep): a later call with the same ux, uw
+    and flags may pass it back rather than have it computed again."""
     ops = torch.ops.attn_cuda
     if not chunked:
-        return ops.linear(ux, uw, rx, rg, upd, rd, causal, reverse, second, cu, cr, -(-r1_cols // 16), rg is not None)
-    coef = [a * b for a, b in zip(cu, cr)]
-    scale = _image_scale(ux, uw, upd, coef)
-    image = ops.lin_state(ux, uw, upd, causal, reverse, second, coef, scale)
-    return ops.lin_read(rx, rg, image, rd, second, r1_cols, scale)
+        r1_tiles = -(-r1_cols // 16)
+        return (*ops.linear(ux, uw, rx, rg, upd, rd, causal, reverse, second, cu, cr, r1_tiles, rg is not None), None)
+    if state is None:
+        coef = [a * b for a, b in zip(cu, cr)]
+        scale = _image_scale(ux, uw, upd, coef)
+        state = (ops.lin_state(ux, uw, upd, causal, reverse, second, coef, scale), scale)
+    return (*ops.lin_read(rx, rg, state[0], rd, second, r1_cols, state[1]), state)
 
 
 def _image_scale(ux, uw, upd, coef):
@@ -246,13 +250,13 @@ class _LinearAttention(torch.autograd.Function):
     """y = [num, l] = moments of the chunks before (_moments) + the chunk's own causal block
     (attn_cuda::fwd, whose saved 1/l and output give its num and l back); out = num / l.
 
-    The sweeps take chunk-major rows [x, 1, 0 ... 0] (attn_cuda::lin_rows; the 1 carries the constant
+    The moments take chunk-major rows [x, 1, 0 ... 0] (attn_cuda::lin_rows; the 1 carries the constant
     and first-order terms) and their outputs come back to natural rows in one pass each (lin_out,
     lin_grad). Backward, with g = [dO, -(dO . O)] / l: dq from the same moments read against g (R2), dk
     and dv from the moments of psi(q) g^T carried in reverse (R1 and R2 with the keys), and the diagonal
-    blocks from attn_cuda::bwd, which given the final O and 1/l computes exactly their share. The two
-    sweeps take the values shifted by their mean mu, and g's last column as -(dO . (O - mu)) / l (see
-    backward).
+    blocks from attn_cuda::bwd, which given the final O and 1/l computes exactly their share. The moments
+    take the values shifted by their mean mu (lin_out adds mu l back), and g's last column as
+    -(dO . (O - mu)) / l (see backward).
     """
 
     @staticmethod
@@ -265,38 +269,45 @@ class _LinearAttention(torch.autograd.Function):
         # Masked keys are zero rows in k too, not only in [v, 1]: the dk/dv moments read every key's
         # features, and a zero row reads nothing (dv = 0 there, as the mask says).
         kc = ops.lin_rows(k, mask, None, shift_k, n_pad, d + 16, chunk)
-        vc = ops.lin_rows(v, mask, None, shift_k, n_pad, d + 16, chunk)
+        # The backward's dq and dk sum phi(k_s) (dO . v_s - dO . O) / l over keys, as the moments of [v, 1]
+        # read against g = [dO, -dO . O] / l: two sums, each rounded (g and the moments enter the tensor
+        # cores in fp16/bf16), that cancel down to the spread of v. Values with a common offset (real
+        # activations have one) make both parts large and the rounding of each shows. The weights sum
+        # to 1, so any constant mu may come off both: v_s - mu and O - mu, with mu the mean value of the
+        # visible keys per (batch, kv head). The forward's moments take the same v - mu, so that the
+        # backward can read their state again; the diagonal blocks keep v as given.
+        mu = _value_mean(v, mask)
+        mu_h = mu.repeat_interleave(h // hkv, dim=1).contiguous()
+        vs = ops.lin_rows(v, mask, mu, shift_k, n_pad, d + 16, chunk)
         cr = [coefs[0], coefs[1] * scale, coefs[2] * scale * scale]  # the query side's, temperature included
-        y, _ = _moments(chunked, kc, vc, qc, None, 1, h // hkv, causal, False, coefs[2] != 0, [1.0, 1.0, 1.0], cr,
-                        d + 1)
-        keep_c, diag = None, (None, None)
+        y, _, state = _moments(chunked, kc, vs, qc, None, 1, h // hkv, causal, False, coefs[2] != 0, [1.0, 1.0, 1.0],
+                               cr, d + 1)
+        # The backward's dq reads this state again. Kept where its image is about the size of the rows
+        # saved anyway (d64: 504 bytes per key and head, against 480), else computed again there (d128:
+        # 2940 against 864).
+        rows_bytes = sum(x.numel() * x.element_size() for x in (qc, kc, vs))
+        if state is not None and state[0].numel() > 2 * rows_bytes:
+            state = None
+        vc, keep_c, diag = None, None, (None, None)
         if causal:
+            vc = ops.lin_rows(v, mask, None, shift_k, n_pad, d, chunk)
             keep = torch.ones(b, j, dtype=torch.bool, device=q.device) if mask is None else mask
             keep_c = torch.nn.functional.pad(keep, (shift_k, n_pad - j - shift_k)).view(-1, chunk)
             diag = ops.fwd(*_diagonal(qc, kc, vc), keep_c, None, True, "poly", scale, None, *coefs, True)[:2]
-        out, inv_l = ops.lin_out(y, *diag, shift_q, i, q.dtype)
-        ctx.save_for_backward(v, mask, qc, kc, vc, keep_c, out, inv_l)
-        ctx.args = (causal, coefs, scale, cr, shift_q, shift_k, chunked)
+        out, inv_l = ops.lin_out(y, *diag, mu_h, shift_q, i, q.dtype)
+        ctx.save_for_backward(mask, qc, kc, vc, vs, keep_c, out, inv_l, mu_h, *(state or (None, None)))
+        ctx.args = (causal, coefs, scale, cr, shift_q, shift_k, j, chunked)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         ops = torch.ops.attn_cuda
-        v, mask, qc, kc, vc, keep_c, out, inv_l = ctx.saved_tensors
-        causal, coefs, scale, cr, shift_q, shift_k, chunked = ctx.args
+        mask, qc, kc, vc, vs, keep_c, out, inv_l, mu_h, *state = ctx.saved_tensors
+        causal, coefs, scale, cr, shift_q, shift_k, j, chunked = ctx.args
         b, h, i, d = out.shape
-        hkv, j, chunk = v.shape[1], v.shape[2], qc.shape[3]
+        hkv, chunk = kc.shape[2], qc.shape[3]
         n_pad = qc.shape[1] * chunk
         group, second = h // hkv, coefs[2] != 0
-        # The sweeps' dq and dk sum phi(k_s) (dO . v_s - dO . O) / l over keys, as the moments of [v, 1]
-        # read against g = [dO, -dO . O] / l: two sums, each rounded (g and the moments enter the tensor
-        # cores in fp16/bf16), that cancel down to the spread of v. Values with a common offset (real
-        # activations have one) make both parts large and the rounding of each shows. The weights sum
-        # to 1, so any constant mu may come off both: v_s - mu and O - mu, with mu the mean value of the
-        # visible keys per (batch, kv head). The forward keeps v as given (no extra rounding there).
-        mu = (vc[..., :d].sum((1, 3), dtype=torch.float32)
-              / vc[..., d:d + 1].sum((1, 3), dtype=torch.float32).clamp_min(1.0))  # (B, Hkv, D)
-        vs = ops.lin_rows(v, mask, mu, shift_k, n_pad, d + 16, chunk)
         # g = dO / l shrinks with the sequence, and from a causal row with few keys to one with many by
         # orders of magnitude. The sweeps take it over a power of two (exact) that puts the largest
         # product the reverse sweep rounds to the input dtype, g q_a (or g itself), near 2^14: the small
@@ -304,9 +315,10 @@ class _LinearAttention(torch.autograd.Function):
         # max (65504). The coefficients are applied later, in fp32.
         qmax = torch.linalg.vector_norm(qc[..., :d], float("inf"), dtype=torch.float32)
         cmax = qmax.clamp_min(1.0).reshape(1)
-        g, gscale = ops.lin_g(dout, out, inv_l, mu.repeat_interleave(group, dim=1).contiguous(), cmax, shift_q)
-        _, dq = _moments(chunked, kc, vs, qc, g, 1, group, causal, False, second, [1.0, 1.0, 1.0], cr, 0)
-        dv, dk = _moments(chunked, qc, g, kc, vs, group, 1, causal, True, second, cr, [1.0, 1.0, 1.0], d)
+        g, gscale = ops.lin_g(dout, out, inv_l, mu_h, cmax, shift_q)
+        state = None if state[0] is None else tuple(state)
+        _, dq, _ = _moments(chunked, kc, vs, qc, g, 1, group, causal, False, second, [1.0, 1.0, 1.0], cr, 0, state)
+        dv, dk, _ = _moments(chunked, qc, g, kc, vs, group, 1, causal, True, second, cr, [1.0, 1.0, 1.0], d)
         diag = (None, None, None)
         if causal:
             rows = (b * n_pad // chunk, h, chunk, d)
@@ -319,8 +331,17 @@ class _LinearAttention(torch.autograd.Function):
                 ops.lin_grad(dv, gscale, diag[2], shift_k, j, d, out.dtype), *([None] * 8))
 
 
+def _value_mean(v, mask):
+    """The mean value of the keys the mask keeps, per (batch, kv head): fp32 (B, Hkv, D)."""
+    if mask is None:
+        return v.mean(2, dtype=torch.float32)
+    keep = mask[:, None, :, None]
+    return (v * keep).sum(2, dtype=torch.float32) / keep.sum(2).clamp_min(1)
+
+
 def _diagonal(qc, kc, vc):
-    """The chunks as sequences of their own, (B * chunks, heads, L, D): the diagonal blocks."""
+    """The chunks as sequences of their own, (B * chunks, heads, L, D): the diagonal blocks (vc may be
+    D wide already)."""
     d = qc.shape[-1] - 16
     return tuple(x.view(-1, *x.shape[2:])[..., :d] for x in (qc, kc, vc))
 
@@ -363,7 +384,7 @@ def _register_fakes() -> None:
         return x.new_empty((b, n_pad // chunk, h, chunk, width))
 
     @torch.library.register_fake("attn_cuda::lin_out")
-    def _lin_out(y, o, stat, shift, n, dtype):
+    def _lin_out(y, o, stat, mu, shift, n, dtype):
         b, chunks, h, rows, dp = y.shape
         return y.new_empty((b, h, n, dp - 16), dtype=dtype), y.new_empty((b, chunks, h, rows))
 

@@ -217,33 +217,37 @@ __device__ __forceinline__ void load_sweep_diag(float2 (&acc)[kRowsPerWarp], flo
   }
 }
 
-// out = (num + o l_d) / (l + l_d) from the sweep's y = [num, l] and the diagonal block's output o and
-// 1 / l_d (stat); 1 / the sum for every chunk row (the backward's), out for the rows that exist.
+// out = (num + mu l + o l_d) / (l + l_d) from the moments' y = [num, l] (of the values less mu) and the
+// diagonal block's output o and 1 / l_d (stat); 1 / the sum for every chunk row (the backward's), out for
+// the rows that exist.
 template <class T>
-__global__ void lin_out_kernel(const float* y, const T* o, const float* stat, int H, int n, int D, int n_pad, int L,
-                               int shift, T* out, float* inv_l) {
+__global__ void lin_out_kernel(const float* y, const T* o, const float* stat, const float* mu, int H, int n, int D,
+                               int n_pad, int L, int shift, T* out, float* inv_l) {
   const int bh = blockIdx.x, b = bh / H, h = bh % H, lane = threadIdx.x % 32, Dp = D + 16;
   for_each_row_group(n_pad, [&](int t0) {
     int64_t row[kRowsPerWarp];
-    float ld[kRowsPerWarp], inv[kRowsPerWarp];
+    float lm[kRowsPerWarp], ld[kRowsPerWarp], inv[kRowsPerWarp];
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
       row[r] = chunk_row(b, h, H, n_pad, L, min(t0 + r, n_pad - 1));
       const float s = stat ? stat[row[r]] : 0.f;
       ld[r] = s > 0.f ? 1.f / s : 0.f;
-      const float l = y[row[r] * Dp + D] + ld[r];
+      lm[r] = y[row[r] * Dp + D];
+      const float l = lm[r] + ld[r];
       inv[r] = l > 0.f ? 1.f / l : 0.f;  // no visible key, or weights that sum to 0: output 0
       if (lane == 0 && t0 + r < n_pad) inv_l[row[r]] = inv[r];
     }
     for (int d = 2 * lane; d < D; d += 64) {
       float2 num[kRowsPerWarp], od[kRowsPerWarp];
       load_sweep_diag(num, od, row, y, Dp, o, D, d);
+      const float2 m = *reinterpret_cast<const float2*>(mu + static_cast<int64_t>(bh) * D + d);
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r) {
         const int i = t0 + r - shift;
         if (i >= 0 && i < n && t0 + r < n_pad)
-          stg_pair(out + (static_cast<int64_t>(bh) * n + i) * D + d, (num[r].x + od[r].x * ld[r]) * inv[r],
-                   (num[r].y + od[r].y * ld[r]) * inv[r]);
+          stg_pair(out + (static_cast<int64_t>(bh) * n + i) * D + d,
+                   (fmaf(m.x, lm[r], num[r].x) + od[r].x * ld[r]) * inv[r],
+                   (fmaf(m.y, lm[r], num[r].y) + od[r].y * ld[r]) * inv[r]);
       }
     }
   });
@@ -413,13 +417,13 @@ cudaError_t run_lin_rows(Dtype dtype, const void* x, int64_t sb, int64_t sh, int
   });
 }
 
-cudaError_t run_lin_out(Dtype dtype, const float* y, const void* o, const float* stat, int B, int H, int n, int D,
-                        int n_pad, int L, int shift, void* out, float* inv_l, cudaStream_t stream) {
+cudaError_t run_lin_out(Dtype dtype, const float* y, const void* o, const float* stat, const float* mu, int B, int H,
+                        int n, int D, int n_pad, int L, int shift, void* out, float* inv_l, cudaStream_t stream) {
   if (B * H == 0 || n_pad == 0) return cudaSuccess;
   return by_half_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     lin_out_kernel<T><<<row_grid(B * H, n_pad), kWarps * 32, 0, stream>>>(
-        y, static_cast<const T*>(o), stat, H, n, D, n_pad, L, shift, static_cast<T*>(out), inv_l);
+        y, static_cast<const T*>(o), stat, mu, H, n, D, n_pad, L, shift, static_cast<T*>(out), inv_l);
     return cudaGetLastError();
   });
 }

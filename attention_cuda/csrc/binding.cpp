@@ -439,7 +439,7 @@ Tensor attn_lin_rows(const Tensor& x, const optional<Tensor>& mask, const option
 }
 
 std::tuple<Tensor, Tensor> attn_lin_out(const Tensor& y, const optional<Tensor>& o, const optional<Tensor>& stat,
-                                        int64_t shift, int64_t n, at::ScalarType dtype) {
+                                        const Tensor& mu, int64_t shift, int64_t n, at::ScalarType dtype) {
   TORCH_CHECK(y.dim() == 5 && y.scalar_type() == at::kFloat, "attn_cuda: lin_out: y must be fp32 chunk-major");
   const int64_t B = y.size(0), chunks = y.size(1), H = y.size(2), L = y.size(3), D = y.size(4) - 16;
   const int64_t n_pad = chunks * L;
@@ -451,11 +451,15 @@ std::tuple<Tensor, Tensor> attn_lin_out(const Tensor& y, const optional<Tensor>&
                 "attn_cuda: lin_out: o (B * chunks, H, ", L, ", D) and stat (B * chunks, H, ", L,
                 ") contiguous");
   }
+  TORCH_CHECK(mu.scalar_type() == at::kFloat && mu.is_contiguous() && mu.sizes() == at::IntArrayRef({B, H, D}) &&
+                  mu.device() == y.device(),
+              "attn_cuda: lin_out: mu must be contiguous fp32 (B, H, D) on y's device");
   const c10::cuda::CUDAGuard guard(y.device());
   Tensor out = at::empty({B, H, n, D}, y.options().dtype(dtype));
   Tensor inv_l = at::empty({B, chunks, H, L}, y.options());
   check_ok(attn::run_lin_out(lin_dtype(dtype), y.data_ptr<float>(), o ? o->data_ptr() : nullptr,
-                             stat ? stat->data_ptr<float>() : nullptr, B, H, n, D, n_pad, L, shift, out.data_ptr(),
+                             stat ? stat->data_ptr<float>() : nullptr, mu.data_ptr<float>(), B, H, n, D, n_pad, L,
+                             shift, out.data_ptr(),
                              inv_l.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()),
            "lin_out");
   return {out, inv_l};
@@ -526,7 +530,8 @@ TORCH_LIBRARY(attn_cuda, m) {
       "linear(Tensor ux, Tensor uw, Tensor rx, Tensor? rg, int upd_heads, int rd_heads, bool causal, bool reverse, "
       "bool second, float[] cu, float[] cr, int r1_tiles, bool want_r2) -> (Tensor, Tensor)");
   m.def("lin_rows(Tensor x, Tensor? mask, Tensor? mu, int shift, int n_pad, int width, int chunk) -> Tensor");
-  m.def("lin_out(Tensor y, Tensor? o, Tensor? stat, int shift, int n, ScalarType dtype) -> (Tensor, Tensor)");
+  m.def("lin_out(Tensor y, Tensor? o, Tensor? stat, Tensor mu, int shift, int n, ScalarType dtype) -> "
+        "(Tensor, Tensor)");
   m.def("lin_g(Tensor dout, Tensor out, Tensor inv_l, Tensor mu, Tensor cmax, int shift) -> (Tensor, Tensor)");
   m.def("lin_grad(Tensor acc, Tensor scale, Tensor? diag, int shift, int n, int dim, ScalarType dtype) -> Tensor");
   m.def("head_dims(ScalarType dtype) -> int[]", &head_dims);

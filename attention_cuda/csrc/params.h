@@ -137,10 +137,11 @@ int64_t dq_accum_size(int B, int H, int I, int D);
 cudaError_t run_lin_rows(Dtype dtype, const void* x, int64_t sb, int64_t sh, int64_t si, const bool* mask,
                          const float* mu, int B, int H, int N, int D, int W, int n_pad, int L, int shift, void* dst,
                          cudaStream_t stream);
-// out = (num + o / stat) / (l + 1 / stat) from y = [num, l] (fp32, D + 16 wide) and the diagonal blocks'
-// o and stat (null when there are none); inv_l = 1 / (l + 1 / stat) for every chunk row.
-cudaError_t run_lin_out(Dtype dtype, const float* y, const void* o, const float* stat, int B, int H, int n, int D,
-                        int n_pad, int L, int shift, void* out, float* inv_l, cudaStream_t stream);
+// out = (num + mu l + o / stat) / (l + 1 / stat) from y = [num, l] (fp32, D + 16 wide; the moments of the
+// values less mu (B, H, D)) and the diagonal blocks' o and stat (null when there are none);
+// inv_l = 1 / (l + 1 / stat) for every chunk row.
+cudaError_t run_lin_out(Dtype dtype, const float* y, const void* o, const float* stat, const float* mu, int B, int H,
+                        int n, int D, int n_pad, int L, int shift, void* out, float* inv_l, cudaStream_t stream);
 // g = [dO, -dO . (O - mu)] * inv_l / scale as D + 16 wide rows, scale a power of two from max |g| and
 // *cmax; delta (chunk rows) and gmax (one word, zero on entry) are scratch.
 cudaError_t run_lin_g(Dtype dtype, const void* dout, const void* out, const float* inv_l, const float* mu,
