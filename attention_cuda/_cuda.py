@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import os
 from pathlib import Path
 
@@ -213,6 +214,16 @@ def linear_unsupported_reason(q) -> str | None:
 # bench/results_fastmax-linear.json, bench/runs/2026-11-21_s8_fastmax-crossover.json). Near-ties (within
 # 3%: d64 at 16384, d96 at 32768) stay quadratic, which needs a quarter of the memory. p = 1 is not measured.
 LINEAR_FROM_KEYS = {16: 8192, 32: 8192, 64: 32768, 96: 65536, 128: 65536}
+# The same for the chunked kernels, where _chunked_form holds (bench/runs/2026-11-22_s18_fastmax.txt):
+# d64 from 16384 (7.2 vs 10.1 ms; 3.7 vs 2.6 at 8192), d128 from 32768 (62.7 vs 80.1; 31.2 vs 19.7 at 16384).
+CHUNKED_FROM_KEYS = {64: 16384, 128: 32768}
+
+
+def linear_from_keys(d, dtype) -> float:
+    """The key count from which fastmax's linear form beats the quadratic one on these kernels (p = 2)."""
+    if unavailable_reason() is None and d in CHUNKED_FROM_KEYS and _chunked_form(dtype, d):
+        return CHUNKED_FROM_KEYS[d]
+    return LINEAR_FROM_KEYS.get(d, math.inf)
 
 
 def linear_attention(q, k, v, mask, causal: bool, policy: ScorePolicy) -> torch.Tensor:

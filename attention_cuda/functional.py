@@ -171,12 +171,13 @@ def fastmax_flops_crossover(dim_head: int, p: int) -> int:
     return 1 + dim_head + (dim_head * (dim_head + 1) // 2 if p == 2 else 0)
 
 
-def fastmax_linear_from(dim_head: int, p: int, on_kernels: bool) -> float:
+def fastmax_linear_from(dim_head: int, p: int, on_kernels: bool, dtype=torch.bfloat16) -> float:
     """Key count from which form="auto" runs fastmax's linear form: on the kernels the crossover
-    measured per head dim (p = 2; p = 1 is not measured, so never), else the FLOPs crossover."""
+    measured per head dim (p = 2; p = 1 is not measured, so never) for the kernels that run dtype
+    there, else the FLOPs crossover."""
     if on_kernels:
-        from ._cuda import LINEAR_FROM_KEYS
-        return LINEAR_FROM_KEYS.get(dim_head, math.inf) if p == 2 else math.inf
+        from ._cuda import linear_from_keys
+        return linear_from_keys(dim_head, dtype) if p == 2 else math.inf
     return fastmax_flops_crossover(dim_head, p) + 1
 
 
@@ -206,7 +207,7 @@ def fastmax_attention(q, k, v, *, causal=False, mask=None, p=2, a0=1.0, a1=1.0, 
     unsupported = no_dropout if dropout > 0 else None
     if form == "auto":  # dropout exists only in the quadratic form
         on_kernels = backend != "torch" and _use_cuda(call, causal, policy, "auto", unsupported)
-        linear = call.k.shape[2] >= fastmax_linear_from(call.q.shape[-1], p, on_kernels)
+        linear = call.k.shape[2] >= fastmax_linear_from(call.q.shape[-1], p, on_kernels, call.q.dtype)
         if on_kernels:  # the linear-form kernels take fp16 and bf16 only
             linear = linear and _kernels()[0].linear_unsupported_reason(call.q) is None
         form = "linear" if linear and dropout == 0 else "quadratic"

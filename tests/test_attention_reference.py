@@ -280,6 +280,20 @@ def test_bias_shape_and_backend_errors():
     torch.testing.assert_close(cosine_sim_attention(x, x, x), cosine_sim_attention(x, x, x, backend="torch"))
 
 
+def test_fastmax_crossover_is_the_chunked_kernels_where_they_run(monkeypatch):
+    """The key count from which "auto" takes the linear form: the chunked kernels' own crossover where
+    they run (Hopper, d64 and d128), the sweep's elsewhere; p = 1 never."""
+    from attention_cuda import _cuda
+    from attention_cuda.functional import fastmax_linear_from
+    monkeypatch.setattr(_cuda, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(_cuda, "_chunked_form", lambda dtype, d: d in (64, 128))
+    assert fastmax_linear_from(64, 2, True) == _cuda.CHUNKED_FROM_KEYS[64] < _cuda.LINEAR_FROM_KEYS[64]
+    assert fastmax_linear_from(32, 2, True) == _cuda.LINEAR_FROM_KEYS[32]
+    assert fastmax_linear_from(64, 1, True) == math.inf
+    monkeypatch.setattr(_cuda, "_chunked_form", lambda dtype, d: False)  # an sm_80 GPU
+    assert fastmax_linear_from(128, 2, True) == _cuda.LINEAR_FROM_KEYS[128]
+
+
 def test_fastmax_auto_form_on_the_kernels_follows_the_measured_crossover(monkeypatch):
     """Where the kernels run, "auto" takes their linear form from the key count measured per head dim
     (p = 2, fp16/bf16), else their tiled quadratic form; form="linear" reaches the linear-form kernel,

@@ -29,38 +29,32 @@ struct LinFeatures {
   static constexpr int kSecond = 16 * kNb * (kNb + 1) / 2;
   static constexpr int kDw = D + 8, kPanels = (kDw + 31) / 32;  // w = [v, 1] in whole n8 tiles
   static constexpr int kTileBytes = kPanels * 64 * 64;          // an image tile: 64 features
-  __host__ __device__ static int groups(bool second) { return kFirst + (second ? kSecond : 0); }
-  __host__ __device__ static int tiles(bool second) { return (groups(second) + 3) / 4; }
-  // Group g as (a, bb): first order a = -1, bb = g; second order a-major, bb from a's own block on.
-  __device__ static void decode(int g, int& a, int& bb) {
-    a = -1, bb = g;
-    if (g < kFirst) return;
-    int s = g - kFirst;
+  // Tiles of four groups: first order (a = -1, bb = 0 .. kNb; the last tile padded), then second order
+  // bb-major, each bb's a < 16 (bb + 1) in runs of four. A tile's groups then share bb (one x fragment)
+  // and take four consecutive a, which the readers' loops know at compile time (with the groups
+  // a-major, bb changed from group to group, and picking its registers had made control flow most of
+  // lin_read R2's instructions).
+  static constexpr int kFirstTiles = (kFirst + 3) / 4;
+  __host__ __device__ static int tiles(bool second) { return kFirstTiles + (second ? kSecond / 4 : 0); }
+  // Second-order tile t's bb and first a; bb = -1 for a first-order tile (its group j is (-1, 4 t + j)).
+  __device__ static void tile(int t, int& bb, int& a0) {
+    bb = -1, a0 = 0;
+    if (t < kFirstTiles) return;
+    const int s = t - kFirstTiles;  // bb's tiles are s in [2 bb (bb + 1), 2 (bb + 1) (bb + 2))
+    bb = 0;
 #pragma unroll
-    for (int k = 0; k < kNb; ++k) {
-      const int per = kNb - k;
-      if (s < 16 * per) {
-        a = 16 * k + s / per, bb = k + s % per;
-        return;
-      }
-      s -= 16 * per;
+    for (int k = 1; k < kNb; ++k) bb += s >= 2 * k * (k + 1);
+    a0 = 4 * (s - 2 * bb * (bb + 1));
+  }
+  // Group j of tile t as (a, bb); bb = -1 for the first-order tile's padding.
+  __device__ static void decode(int t, int j, int& a, int& bb) {
+    tile(t, bb, a);
+    if (bb >= 0) {
+      a += j;
+    } else {
+      a = -1, bb = 4 * t + j < kFirst ? 4 * t + j : -1;
     }
   }
-  // The groups in order, one step at a time (readers walk the tiles in order; decode's divisions per group
-  // had made integer arithmetic most of lin_read's instructions). bb = -1 past the last group.
-  struct Cursor {
-    int a = -1, bb = 0, left;
-    __device__ explicit Cursor(bool second) : left(groups(second)) {}
-    __device__ void next() {
-      if (--left <= 0) {
-        bb = -1;
-      } else if (a < 0) {
-        if (++bb == kFirst) a = 0, bb = 0;
-      } else if (++bb == kNb) {
-        ++a, bb = a / 16;
-      }
-    }
-  };
   // What row b of group (a, bb) is multiplied by in the image: both sides' coefficients and the
   // packing's weight.
   __device__ static float coef(const float* c, int a, int bb, int b) {
@@ -73,7 +67,7 @@ template <class T, int D>
 struct LinState90 {
   using F = LinFeatures<D>;
   static constexpr int kTiles = D <= 32 ? 2 : D <= 64 ? 3 : 2;  // image tiles per CTA (accumulators)
-  static constexpr int kRows = 64, kThreads = 128;              // rows per stage; one warpgroup
+  static constexpr int kRows = D <= 64 ? 128 : 64, kThreads = 128;  // rows per stage; one warpgroup
   static constexpr int kXPitch = (D + 16) * 2 + 16;
   static constexpr int kW = F::kPanels * 64 * kRows, kX = kRows * kXPitch, kStage = kW + kX;
   static constexpr int kBytes = 2 * kStage + 1024;
@@ -89,7 +83,7 @@ __global__ void __launch_bounds__(128) lin_state_kernel(const LinStateParams p) 
   extern __shared__ __align__(16) char smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;
   const int warp = warp_index() % 4, lane = lane_id(), g = lane / 4, tq = lane % 4;
-  const int tiles = F::tiles(p.second), groups = F::groups(p.second), tile0 = blockIdx.x * kTiles;
+  const int tiles = F::tiles(p.second), tile0 = blockIdx.x * kTiles;
   const int b = blockIdx.y / p.Hkv, hkv = blockIdx.y % p.Hkv;
   auto w_tile = [&](int s) { return SwTile{base + s * C::kStage, kRows}; };
   auto x_tile = [&](int s) { return Tile{base + s * C::kStage + C::kW, C::kXPitch}; };
@@ -97,9 +91,8 @@ __global__ void __launch_bounds__(128) lin_state_kernel(const LinStateParams p) 
   int ga[kTiles], gb[kTiles];  // this warp's group (a, bb) per tile; bb = -1: none
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
-    const int gi = (tile0 + i) * 4 + warp;
-    F::decode(gi, ga[i], gb[i]);
-    if (gi >= groups) gb[i] = -1;
+    F::decode(tile0 + i, warp, ga[i], gb[i]);
+    if (tile0 + i >= tiles) gb[i] = -1;
   }
   float acc[kTiles][kN / 8][4] = {};
 
@@ -271,28 +264,38 @@ __global__ void __launch_bounds__(LinRead90<T, D, kR1, kR2>::kThreads, (LinRead9
 #pragma unroll
     for (int k = 0; k <= kN / 16; ++k) M::lda(gf[k], gs, r0, 16 * k);
   }
-  // x_a at this lane's row g (or g + 8), alone in the low half of a word.
-  auto x_at = [&](int a, int row) { return lds32(xs.at(r0 + row, (a & ~1) * 2)) >> (a & 1 ? 16 : 0) & 0xffffu; };
-  typename F::Cursor cursor(p.second);  // the group of gen's (R1) or finish's (R2) next step
   auto stage = [&](int t) { return SwTile{base + (t % kStages) * F::kTileBytes, 64}; };
+  // x at this lane's row g (hf = 0) or g + 8 (hf = 1), columns a0 .. a0 + 3: two words of pairs.
+  auto x4 = [&](int a0, int hf, uint32_t(&w)[2]) {
+    const uint32_t at = xs.at(r0 + g + 8 * hf, a0 * 2);
+    w[0] = lds32(at), w[1] = lds32(at + 4);
+  };
 
-  // Tile t's R1 operands: x's fragment of block bb times x_a (x's fragment is reloaded per group: a
-  // register array indexed by bb at run time would live in local memory).
+  // Tile t's R1 operands: x's fragment of block bb times x_a for the tile's four a (one packed multiply
+  // per register); first order: x's fragment of block 4 t + j.
   auto gen = [&](int t, uint32_t(&af)[4][4]) {
     if constexpr (kR1) {
+      int bb, a0;
+      F::tile(t, bb, a0);
+      if (bb >= 0) {
+        uint32_t xf[4], top[2], bot[2];
+        M::lda(xf, xs, r0, 16 * bb);
+        x4(a0, 0, top), x4(a0, 1, bot);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int a = cursor.a, bb = cursor.bb;
-        cursor.next();
-        uint32_t* f = af[j];
-        if (bb < 0) {
-          f[0] = f[1] = f[2] = f[3] = 0;
-          continue;
+        for (int j = 0; j < 4; ++j) {  // x_a in both halves of a word
+          const uint32_t sel = j % 2 ? 0x3232 : 0x1010;
+          const uint32_t u = __byte_perm(top[j / 2], 0, sel), v = __byte_perm(bot[j / 2], 0, sel);
+          af[j][0] = mul2<T>(xf[0], u), af[j][1] = mul2<T>(xf[1], v);
+          af[j][2] = mul2<T>(xf[2], u), af[j][3] = mul2<T>(xf[3], v);
         }
-        M::lda(f, xs, r0, 16 * bb);
-        if (a >= 0) {
-          const uint32_t top = x_at(a, g) * 0x10001u, bot = x_at(a, g + 8) * 0x10001u;
-          f[0] = mul2<T>(f[0], top), f[1] = mul2<T>(f[1], bot), f[2] = mul2<T>(f[2], top), f[3] = mul2<T>(f[3], bot);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          if (4 * t + j < F::kFirst) {
+            M::lda(af[j], xs, r0, 16 * (4 * t + j));
+          } else {
+            af[j][0] = af[j][1] = af[j][2] = af[j][3] = 0;
+          }
         }
       }
     }
@@ -315,55 +318,69 @@ __global__ void __launch_bounds__(LinRead90<T, D, kR1, kR2>::kThreads, (LinRead9
   // t - 1's stage, whose warps are done with it by now, so that thread 0 seldom waits.
   // z[2j + e] holds group j's features 8e + (2 tq, +1) of rows g (0, 1), g + 8 (2, 3): exactly where
   // x's fragment of block bb holds x_b. d(x_a x_b) = x_b dx_a + x_a dx_b; first order d x'_b = dx_b.
-  // Both parts stay in registers: x_a dx_b in dqr[bb] (x's fragment layout; bb picked by compare, since
-  // a register array indexed at run time would live in local memory), x_b dx_a as this lane's share of
-  // dq[., a] while the groups keep a (a-major order), reduced over the quad and added to dq_s when a
-  // changes. (Shared-memory sums per group had made R2 issue-bound.)
-  float dqr[kNb][2][4] = {}, st = 0.f, sd = 0.f, xt = 1.f, xd = 1.f;
-  int a_run = -1;
-  auto flush = [&]() {
-    if (a_run < 0) return;
+  //  - x_a dx_b: summed in registers (dxb, in x's fragment layout) while the tiles keep bb, added to
+  //    dq_s's block bb when bb changes (kNb times: the order is bb-major);
+  //  - x_b dx_a: per a, a dot over the group's features, this lane's share summed over the quad so
+  //    that lane tq ends with column a0 + tq's (for both rows), added to dq_s per tile.
+  // The two kinds add to a column from different lanes: they meet only across __syncwarp.
+  float dxb[2][4] = {};
+  int bb_run = -1;
+  auto add_block = [&](int bb, const float(&d)[2][4]) {
+    __syncwarp();
 #pragma unroll
-    for (int o = 1; o < 4; o *= 2) {
-      st += __shfl_xor_sync(0xffffffffu, st, o);
-      sd += __shfl_xor_sync(0xffffffffu, sd, o);
+    for (int e = 0; e < 2; ++e) {
+      float* top = dq_s + (r0 + g) * C::kDqPitch + 16 * bb + 8 * e + 2 * tq;
+      float* bot = top + 8 * C::kDqPitch;
+      top[0] += d[e][0], top[1] += d[e][1], bot[0] += d[e][2], bot[1] += d[e][3];
     }
-    if (tq == 0) dq_s[(r0 + g) * C::kDqPitch + a_run] += st, dq_s[(r0 + g + 8) * C::kDqPitch + a_run] += sd;
-    st = sd = 0.f;
+    __syncwarp();
+  };
+  auto quad_scatter = [&](const float(&v)[4]) {  // lane tq: the quad's sum of v[tq], in two exchanges
+    const bool hi = tq & 2, lo = tq & 1;
+    const float k0 = (hi ? v[2] : v[0]) + __shfl_xor_sync(0xffffffffu, hi ? v[0] : v[2], 2);
+    const float k1 = (hi ? v[3] : v[1]) + __shfl_xor_sync(0xffffffffu, hi ? v[1] : v[3], 2);
+    return (lo ? k1 : k0) + __shfl_xor_sync(0xffffffffu, lo ? k0 : k1, 1);
   };
   auto finish = [&](int t, float(&z)[8][4]) {
     if constexpr (kR2) {
       fence_acc(z);
+      int bb, a0;
+      F::tile(t, bb, a0);
+      if (bb < 0) {  // first order: dq's block 4 t + j gets z (nothing from the constant's group)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int a = cursor.a, bb = cursor.bb;
-        cursor.next();
-        if (bb < 0 || (a < 0 && bb == kNb)) continue;  // padding, or the constant
-        if (a != a_run) {
-          flush();
-          a_run = a;
-          xt = a < 0 ? 1.f : Elem<T>::unpack(x_at(a, g)).x;
-          xd = a < 0 ? 1.f : Elem<T>::unpack(x_at(a, g + 8)).x;
+        for (int j = 0; j < 4; ++j)
+          if (4 * t + j < kNb) add_block(4 * t + j, *reinterpret_cast<float(*)[2][4]>(&z[2 * j]));
+      } else {
+        if (bb != bb_run) {
+          if (bb_run >= 0) add_block(bb_run, dxb);
+#pragma unroll
+          for (int e = 0; e < 2; ++e) dxb[e][0] = dxb[e][1] = dxb[e][2] = dxb[e][3] = 0.f;
+          bb_run = bb;
         }
-        if (a >= 0) {
-          uint32_t xb[4];
-          M::lda(xb, xs, r0, 16 * bb);
+        uint32_t xb[4], top[2], bot[2];
+        M::lda(xb, xs, r0, 16 * bb);
+        x4(a0, 0, top), x4(a0, 1, bot);
+        const float2 u[2] = {Elem<T>::unpack(xb[0]), Elem<T>::unpack(xb[2])};  // x_b, row g
+        const float2 v[2] = {Elem<T>::unpack(xb[1]), Elem<T>::unpack(xb[3])};  // row g + 8
+        const float2 t01 = Elem<T>::unpack(top[0]), t23 = Elem<T>::unpack(top[1]);
+        const float2 d01 = Elem<T>::unpack(bot[0]), d23 = Elem<T>::unpack(bot[1]);
+        const float xt[4] = {t01.x, t01.y, t23.x, t23.y}, xd[4] = {d01.x, d01.y, d23.x, d23.y};  // x_a
+        float pt[4], pd[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          pt[j] = pd[j] = 0.f;
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float2 u = Elem<T>::unpack(xb[2 * e]), v = Elem<T>::unpack(xb[2 * e + 1]);
-            st += z[2 * j + e][0] * u.x + z[2 * j + e][1] * u.y;
-            sd += z[2 * j + e][2] * v.x + z[2 * j + e][3] * v.y;
+            const float* zz = z[2 * j + e];
+            pt[j] = fmaf(zz[0], u[e].x, fmaf(zz[1], u[e].y, pt[j]));
+            pd[j] = fmaf(zz[2], v[e].x, fmaf(zz[3], v[e].y, pd[j]));
+            dxb[e][0] = fmaf(xt[j], zz[0], dxb[e][0]), dxb[e][1] = fmaf(xt[j], zz[1], dxb[e][1]);
+            dxb[e][2] = fmaf(xd[j], zz[2], dxb[e][2]), dxb[e][3] = fmaf(xd[j], zz[3], dxb[e][3]);
           }
         }
-#pragma unroll
-        for (int k = 0; k < kNb; ++k) {
-          if (k != bb) continue;
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            dqr[k][e][0] += xt * z[2 * j + e][0], dqr[k][e][1] += xt * z[2 * j + e][1];
-            dqr[k][e][2] += xd * z[2 * j + e][2], dqr[k][e][3] += xd * z[2 * j + e][3];
-          }
-        }
+        const float st = quad_scatter(pt), sd = quad_scatter(pd);
+        dq_s[(r0 + g) * C::kDqPitch + a0 + tq] += st;
+        dq_s[(r0 + g + 8) * C::kDqPitch + a0 + tq] += sd;
       }
     }
     __syncwarp();
@@ -416,16 +433,7 @@ __global__ void __launch_bounds__(LinRead90<T, D, kR1, kR2>::kThreads, (LinRead9
     *reinterpret_cast<float2*>(out + (g + 8) * kDp + kN + 2 * tq) = make_float2(0.f, 0.f);
   }
   if constexpr (kR2) {  // this warp's 16 rows of dq_s
-    flush();
-    __syncwarp();  // the quads' sums in before the lanes add their columns
-#pragma unroll
-    for (int k = 0; k < kNb; ++k)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float* top = dq_s + (r0 + g) * C::kDqPitch + 16 * k + 8 * e + 2 * tq;
-        float* bot = top + 8 * C::kDqPitch;
-        top[0] += dqr[k][e][0], top[1] += dqr[k][e][1], bot[0] += dqr[k][e][2], bot[1] += dqr[k][e][3];
-      }
+    if (bb_run >= 0) add_block(bb_run, dxb);
     __syncwarp();
     float* out = p.r2 + (row0 + r0) * D;
     for (int k = lane; k < 16 * D / 2; k += 32) {
