@@ -163,9 +163,9 @@ def test_both_kernel_paths_on_hopper(monkeypatch, dtype, d, family, flag, portab
 @pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
 def test_padding_masks(dtype, d, family, causal):
-    """Key masks that keep a prefix of each batch row, as padding does: tiles the mask keeps whole take
-    the path that tests nothing per element, the tile holding the cut tests each pair (random masks, as
-    in the grid above, leave no whole tile)."""
+    """Key masks that keep a prefix of each batch row, as padding does: in the forward, tiles the mask
+    keeps whole take the path that tests nothing per element, the tile holding the cut tests each pair
+    (random masks, as in the grid above, leave no whole tile)."""
     cases = []
     for n, keep in enumerate([(700, 333, 129), (64, 640, 1)]):
         leaves, kw, dout = make_case((3, 4, 2, 300, 700), d, family, "causal" if causal else "none", seed=n)

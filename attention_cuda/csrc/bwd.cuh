@@ -82,9 +82,7 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
   auto query_of = [&](int nq, int e) { return m0 + nq * 8 + 2 * tq + (e & 1); };
   constexpr bool kShift = Policy::kExp && !Policy::kRowMax;
   constexpr bool kKeepRa = D <= 64;  // the scales per element stay in registers where they fit
-  // Edges: the tile cuts a sequence end or the causal diagonal, or the mask hides one of the warp's keys.
-  const bool edge = n0 + kBc > p.J || m0 + kBr > p.I || (p.causal && n0 + kBc - 1 > m0 + p.J - p.I) ||
-                    (mask != nullptr && !__all_sync(~0u, keys.kept[0] && keys.kept[1]));
+  const bool edge = n0 + kBc > p.J || m0 + kBr > p.I || mask != nullptr || (p.causal && n0 + kBc - 1 > m0 + p.J - p.I);
   const T* bias = p.bias ? static_cast<const T*>(p.bias) + b * p.bias_sb + h * p.bias_sh : nullptr;
   const float fused_shift = kShift && !edge && !bias ? p.shift : 0.f;
   float ra[kKeepRa ? kNQ : 1][4];
