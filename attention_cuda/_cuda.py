@@ -215,7 +215,7 @@ def linear_unsupported_reason(q) -> str | None:
 # 3%: d64 at 16384, d96 at 32768) stay quadratic, which needs a quarter of the memory. p = 1 is not measured.
 LINEAR_FROM_KEYS = {16: 8192, 32: 8192, 64: 32768, 96: 65536, 128: 65536}
 # The same for the chunked kernels, where _chunked_form holds (bench/runs/2026-11-22_s18_fastmax.txt):
-# d64 from 16384 (7.2 vs 10.1 ms; 3.7 vs 2.6 at 8192), d128 from 32768 (62.7 vs 80.1; 31.2 vs 19.7 at 16384).
+# d64 from 16384 (7.3 vs 10.2 ms; 3.7 vs 2.6 at 8192), d128 from 32768 (62.9 vs 80.6; 31.4 vs 20.1 at 16384).
 CHUNKED_FROM_KEYS = {64: 16384, 128: 32768}
 
 
