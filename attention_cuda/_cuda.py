@@ -293,9 +293,9 @@ class _LinearAttention(torch.autograd.Function):
         cr = [coefs[0], coefs[1] * scale, coefs[2] * scale * scale]  # the query side's, temperature included
         y, _, state = _moments(chunked, kc, vs, qc, None, 1, h // hkv, causal, False, coefs[2] != 0, [1.0, 1.0, 1.0],
                                cr, d + 1)
-        # The backward's dq reads this state again. Kept where its image is about the size of the rows
-        # saved anyway (d64: 504 bytes per key and head, against 480), else computed again there (d128:
-        # 2940 against 864).
+        # The backward's dq reads this state again. Kept where its image is at most twice the rows saved
+        # anyway (d64: 504 bytes per key and head, against 480), else computed again there (d128: 2940
+        # against 864).
         rows_bytes = sum(x.numel() * x.element_size() for x in (qc, kc, vs))
         if state is not None and state[0].numel() > 2 * rows_bytes:
             state = None
@@ -328,8 +328,9 @@ class _LinearAttention(torch.autograd.Function):
         cmax = qmax.clamp_min(1.0).reshape(1)
         g, gscale = ops.lin_g(dout, out, inv_l, mu_h, cmax, shift_q)
         state = None if state[0] is None else tuple(state)
-        _, dq, _ = _moments(chunked, kc, vs, qc, g, 1, group, causal, False, second, [1.0, 1.0, 1.0], cr, 0, state)
-        dv, dk, _ = _moments(chunked, qc, g, kc, vs, group, 1, causal, True, second, cr, [1.0, 1.0, 1.0], d)
+        # [1] and [:2]: an image made here is freed once read (holding dq's through dk's costs 1.5 GiB at d128).
+        dq = _moments(chunked, kc, vs, qc, g, 1, group, causal, False, second, [1.0, 1.0, 1.0], cr, 0, state)[1]
+        dv, dk = _moments(chunked, qc, g, kc, vs, group, 1, causal, True, second, cr, [1.0, 1.0, 1.0], d)[:2]
         diag = (None, None, None)
         if causal:
             rows = (b * n_pad // chunk, h, chunk, d)
