@@ -66,9 +66,8 @@ __device__ __forceinline__ void fwd_scores(const Params& p, const Policy& pol, f
   // A tile has an edge where it cuts a sequence end or the causal diagonal, or where the key mask
   // hides one of its keys: a mask that keeps the whole tile costs one ballot, not the per-element tests.
   const bool cut = n0 + kBc > p.J || br0 + kBr > p.I || (p.causal && n0 + kBc - 1 > br0 + p.J - p.I);
-  constexpr uint32_t kAll = kNC == 16 ? ~0u : (1u << 2 * kNC) - 1;
-  const uint32_t cols = cut || mask != nullptr ? visible_cols<kNC>(p, mask, n0, tq) : kAll;
-  const bool edge = cut || (mask != nullptr && !__all_sync(~0u, cols == kAll));
+  const uint32_t cols = cut || mask != nullptr ? visible_cols<kNC>(p, mask, n0, tq) : kAllCols<kNC>;
+  const bool edge = cut || (mask != nullptr && !__all_sync(~0u, cols == kAllCols<kNC>));
 
   bool fused = false;
   if constexpr (!Policy::kRowMax) {

@@ -40,6 +40,10 @@ __device__ __forceinline__ int last_key(const Params& p, int t) {
   return t >= p.I ? -1 : p.causal ? min(t + p.J - p.I, p.J - 1) : p.J - 1;
 }
 
+// All kN accumulator tiles' column bits, as visible_cols sets them (two per tile).
+template <int kN>
+constexpr uint32_t kAllCols = kN == 16 ? ~0u : (1u << 2 * kN) - 1;
+
 // Bit 2*n + c set when key n0 + 8*n + c + 2*tq is inside the sequence and kept by the mask (`mask_row`
 // is the batch's row of the key mask, or null): the columns one thread holds in kN accumulator tiles.
 // The whole warp calls it for one tile: lane l reads keys n0 + 4 l .. 4 l + 3 (four coalesced byte
@@ -57,7 +61,7 @@ __device__ __forceinline__ uint32_t visible_cols(const Params& p, const uint8_t*
   }
   const uint32_t lo = ((tq & 1) ? by[2] : by[0]) >> (tq / 2), hi = ((tq & 1) ? by[3] : by[1]) >> (tq / 2);
   const uint32_t bits = (lo & 0x55555555u) | (hi & 0x55555555u) << 1;
-  return kN == 16 ? bits : bits & ((1u << 2 * kN) - 1);
+  return bits & kAllCols<kN>;
 }
 
 // bias[b, h, t, s] for a visible pair (so t < I and s < J).
