@@ -88,3 +88,14 @@ def test_chunked_matches_float64(dtype, d, order, p, heads):
     for name, new, sweep, ref, cols in (("R1", n1, s1, f1, d + 1), ("R2", n2, s2, f2, d)):
         assert torch.isfinite(new[..., :cols]).all(), name
         assert err(new, ref, cols) <= 2 * err(sweep, ref, cols) + 1e-3, (name, err(new, ref, cols), err(sweep, ref, cols))
+
+
+def test_chunks_of_other_than_whole_128_rows_are_refused():
+    """Both ops work in 128-row blocks (lin_state's stages at d64, lin_read's CTAs): other chunk lengths
+    get an error naming the requirement, not a failed launch."""
+    o = ops()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = rows((1, 2, 1, 64), 64, torch.bfloat16, gen)
+    scale = torch.ones(1, device="cuda")
+    with pytest.raises(RuntimeError, match="multiple of 128"):
+        o.lin_state(x, x, 1, True, False, True, [1.0, 1.0, 0.5], scale)

@@ -338,7 +338,8 @@ Tensor attn_lin_state(const Tensor& x, const Tensor& w, int64_t heads, bool caus
               "attn_cuda: lin_state: w must be like x, heads divide x's heads, coef is (c0, c1, c2)");
   TORCH_CHECK(scale.is_cuda() && scale.scalar_type() == at::kFloat && scale.numel() == 1,
               "attn_cuda: lin_state: scale is one fp32 on the device");
-  TORCH_CHECK(x.size(3) % 64 == 0, "attn_cuda: lin_state: rows per chunk must be a multiple of 64, got ", x.size(3));
+  TORCH_CHECK(x.size(3) % 128 == 0, "attn_cuda: lin_state: rows per chunk must be a multiple of 128 (its stages at "
+              "d64, and lin_read's blocks), got ", x.size(3));
   const c10::cuda::CUDAGuard guard(x.device());
   attn::LinStateParams p{};
   p.B = x.size(0), p.chunks = x.size(1), p.Hkv = x.size(2) / heads, p.L = x.size(3), p.heads = heads;

@@ -3,7 +3,7 @@
 // The sweep of linear.cuh carries the state through a sequence in one CTA per slice, and is bound by
 // the latency of its per-chunk steps. Here the two halves of a sweep are kernels of their own:
 //   lin_state  S_c = sum over the chunks before c (after c: reverse; all: non-causal) of phi(x) w^T,
-//              one CTA per (batch, kv head, 256 features) walking the chunks in order, the state as
+//              one CTA per (batch, kv head, kTiles image tiles) walking the chunks in order, the state as
 //              wgmma accumulators (M = features, N = w's columns, K = rows); before each chunk it
 //              writes S_c, coefficients applied, as an "image": tiles of 64 features x the columns,
 //              already in the 64-byte-swizzled layout of wgmma.cuh, so that a reader copies a tile
@@ -67,7 +67,9 @@ template <class T, int D>
 struct LinState90 {
   using F = LinFeatures<D>;
   static constexpr int kTiles = D <= 32 ? 2 : D <= 64 ? 3 : 2;  // image tiles per CTA (accumulators)
-  static constexpr int kRows = D <= 64 ? 128 : 64, kThreads = 128;  // rows per stage; one warpgroup
+  // Rows per stage, one warpgroup: 128 at d64 halves the stage barriers (1.01 -> 0.93 ms, b4 h8 N16384);
+  // at d128 two such stages leave one CTA per SM (6.5 vs 4.8 ms), so 64 (bench/NOTES.md run 23).
+  static constexpr int kRows = D <= 64 ? 128 : 64, kThreads = 128;
   static constexpr int kXPitch = (D + 16) * 2 + 16;
   static constexpr int kW = F::kPanels * 64 * kRows, kX = kRows * kXPitch, kStage = kW + kX;
   static constexpr int kBytes = 2 * kStage + 1024;
