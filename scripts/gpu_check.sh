@@ -30,6 +30,10 @@ if step build; then
   # From scratch: a machine kept warm between calls keeps the last call's objects, which can be newer
   # than the sources copied in (their times are kept), so an incremental build may keep stale kernels.
   rm -rf build attention_cuda/_C*.so
+  # The lent H200's CXX (/opt/gcc/bin/g++, a wrapper) built an extension with no libstdc++.so among its
+  # libraries, in which a TORCH_CHECK message that formats a number crashed the process (segfault)
+  # instead of raising; the system g++ links libstdc++.so and the errors raise (bench/NOTES.md run 23).
+  [ -x /usr/bin/g++ ] && export CXX=/usr/bin/g++ CC=/usr/bin/gcc
   TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16} \
     python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1
   if [ $? -ne 0 ]; then
