@@ -9,7 +9,9 @@
 // memory for dQ = dS~ K in the next step (each warpgroup half of the head dim's columns, added to the
 // fp32 buffer with vector atomics at d64, with a bulk reduce at d128). Loads are cp.async,
 // double-buffered, one barrier per step. (A producer warpgroup with TMA and mbarrier hand-offs between
-// the warpgroups, as in the forward, was slower here: branch next/bwd-ws, bench/NOTES.md run 14.)
+// the warpgroups, as in the forward, was slower here: branch next/bwd-ws, bench/NOTES.md run 14. So
+// were the hand-offs without the producer, and warpgroup 1 skewed half a step so that its exps run
+// under warpgroup 0's products: +27% and +16% at d64, branch next/bwd-skew, run 24.)
 #pragma once
 #include "bwd.cuh"
 #include "wgmma.cuh"
