@@ -7,6 +7,8 @@ sweep's plus 1e-3; end to end, through fastmax_attention, both meet the FA rule 
 import pytest
 import torch
 
+from attention_cuda._cuda import _image_scale
+
 pytestmark = pytest.mark.gpu
 
 
@@ -24,14 +26,6 @@ def rows(shape, d, dtype, gen, spread=1.0, keep=1.0):
     x[..., :d] = torch.randn(*shape, d, device="cuda", generator=gen) * spread
     x[..., d] = (torch.rand(*shape, device="cuda", generator=gen) < keep).float()
     return x.to(dtype)
-
-
-def image_scale(ux, uw, heads, coef):
-    """A power of two that keeps S within fp16's range: from a bound on |S| (rows x max |phi| x max |w|)."""
-    n = ux.shape[1] * ux.shape[3] * heads
-    bound = (n * ux.float().abs().amax().clamp_min(1) ** 2 * uw.float().abs().amax()
-             * max(abs(coef[0]), abs(coef[1]), 2 * abs(coef[2])))
-    return torch.exp2(torch.floor(torch.log2(2.0 ** 14 / bound))).reshape(1)
 
 
 def reference(ux, uw, rx, rg, upd, rd, causal, reverse, coef):
@@ -77,7 +71,7 @@ def test_chunked_matches_float64(dtype, d, order, p, heads):
     rg = rows((B, C, hkv * rd, L), d, dtype, gen, 0.01)
     cu, cr = [1.0, 1.0, 1.0], [0.7, 0.5, 0.125]
     coef = [a * b for a, b in zip(cu, cr)]
-    scale = image_scale(ux, uw, upd, coef)
+    scale = _image_scale(ux, uw, upd, coef)  # the scale linear_attention stores the image at
     image = o.lin_state(ux, uw, upd, causal, reverse, second, coef, scale)
     n1, n2 = o.lin_read(rx, rg, image, rd, second, d + 8, scale)
     s1, s2 = o.linear(ux, uw, rx, rg, upd, rd, causal, reverse, second, cu, cr, (d + 16) // 16, True)

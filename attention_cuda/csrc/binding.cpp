@@ -318,6 +318,8 @@ void chunked_kernels(const Tensor& x, attn::LinStateFn* state, attn::LinReadFn* 
                   attn::find_chunked(dtype, D, state, read),
               "attn_cuda: ", op, ": no chunked linear-form kernel for ", x.scalar_type(), ", ", x.sizes(),
               " on this device (see chunked_head_dims)");
+  TORCH_CHECK(x.size(3) % 128 == 0, "attn_cuda: ", op, ": rows per chunk must be a multiple of 128 (lin_state's "
+              "stages at d64, lin_read's blocks), got ", x.size(3));
 }
 
 // Image bytes per (batch, kv head, chunk): tiles of 64 features x (D + 8 rounded up to 32) columns.
@@ -338,8 +340,6 @@ Tensor attn_lin_state(const Tensor& x, const Tensor& w, int64_t heads, bool caus
               "attn_cuda: lin_state: w must be like x, heads divide x's heads, coef is (c0, c1, c2)");
   TORCH_CHECK(scale.is_cuda() && scale.scalar_type() == at::kFloat && scale.numel() == 1,
               "attn_cuda: lin_state: scale is one fp32 on the device");
-  TORCH_CHECK(x.size(3) % 128 == 0, "attn_cuda: lin_state: rows per chunk must be a multiple of 128 (its stages at "
-              "d64, and lin_read's blocks), got ", x.size(3));
   const c10::cuda::CUDAGuard guard(x.device());
   attn::LinStateParams p{};
   p.B = x.size(0), p.chunks = x.size(1), p.Hkv = x.size(2) / heads, p.L = x.size(3), p.heads = heads;
@@ -371,7 +371,6 @@ std::tuple<Tensor, Tensor> attn_lin_read(const Tensor& x, const optional<Tensor>
               "attn_cuda: lin_read: g must be like x");
   TORCH_CHECK(r1_cols >= 0 && r1_cols <= D + 8 && (r1_cols > 0 || g), "attn_cuda: lin_read: r1_cols in [0, D + 8], "
               "and something to read");
-  TORCH_CHECK(x.size(3) % 128 == 0, "attn_cuda: lin_read: rows per chunk must be a multiple of 128, got ", x.size(3));
   const c10::cuda::CUDAGuard guard(x.device());
   attn::LinReadParams p{};
   p.B = x.size(0), p.chunks = x.size(1), p.Hkv = Hkv, p.L = x.size(3), p.heads = heads;
