@@ -6,9 +6,9 @@
 // has them in, and the per-element work (bwd_scores) and the dK/dV epilogue are the same functions.
 // Per step of 64 queries: S^T and dP^T (wgmma, both operands in shared memory), then P^T and dS~^T in
 // registers feed dV += P^T dO and dK += dS~^T Q as register A operands, while dS~^T goes to shared
-// memory for dQ = dS~ K in the next step (each warpgroup half of the head dim's columns, added to the
-// fp32 buffer with vector atomics at d64, with a bulk reduce at d128). Loads are cp.async,
-// double-buffered, one barrier per step. (A producer warpgroup with TMA and mbarrier hand-offs between
+// memory for dQ = dS~ K (each warpgroup half of the head dim's columns): at d64 in the next step, added
+// to the fp32 buffer with vector atomics; at d128 at the end of the same step, added with a bulk
+// reduce. Loads are cp.async, double-buffered, one barrier per step (two at d128). (A producer warpgroup with TMA and mbarrier hand-offs between
 // the warpgroups, as in the forward, was slower here: branch next/bwd-ws, bench/NOTES.md run 14. So
 // were the hand-offs without the producer, and warpgroup 1 skewed half a step so that its exps run
 // under warpgroup 0's products: +27% and +16% at d64, branch next/bwd-skew, run 24.)
@@ -44,14 +44,12 @@ struct Sm90Bwd {
 // dS~^T of this warp's 16 keys from wkey x the step's queries to the step's buffer, for dQ in the next
 // step: each column tile of the accumulator is two 8x8 matrices, so one stmatrix stores two tiles (one
 // st.shared per pair of elements otherwise).
-template <class T, int kNQ>
-__device__ __forceinline__ void store_ds_sm90(const SwTile& sds, const float (&ds)[kNQ][4], int wkey) {
+template <class T, int kKQ>
+__device__ __forceinline__ void store_ds_sm90(const SwTile& sds, const uint32_t (&da)[kKQ][4], int wkey) {
   const int l = lane_id(), row = wkey + (l & 7) + 8 * ((l >> 3) & 1);
 #pragma unroll
-  for (int nq = 0; nq < kNQ; nq += 2)
-    stsm_x4(sds.at(row, (nq + (l >> 4)) * 8 * sizeof(T)), Elem<T>::pack(ds[nq][0], ds[nq][1]),
-            Elem<T>::pack(ds[nq][2], ds[nq][3]), Elem<T>::pack(ds[nq + 1][0], ds[nq + 1][1]),
-            Elem<T>::pack(ds[nq + 1][2], ds[nq + 1][3]));
+  for (int kq = 0; kq < kKQ; ++kq)
+    stsm_x4(sds.at(row, (2 * kq + (l >> 4)) * 8 * sizeof(T)), da[kq][0], da[kq][1], da[kq][2], da[kq][3]);
 }
 
 template <class T, int D, class Policy>
@@ -86,7 +84,10 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
 
   // dQ += dS~ K for one step's queries, the reduction over the block's 128 keys: A = dS~ read M-major
   // from the dS~^T tile (keys as rows), B = this warpgroup's kDQ columns of K read N-major. One wgmma
-  // group, issued ahead of the step's S^T and dP^T.
+  // group. At d64 it is issued ahead of the next step's S^T and dP^T, its accumulator live with theirs.
+  // At d128 that makes 255 registers and ~120 bytes of spills per thread, so it goes in once both
+  // warpgroups' dS~^T is stored, ahead of the second half's dV and dK, its registers those of the
+  // consumed S^T and dP^T: no spills, 13% faster (H200, b1 h32 8192; bench/NOTES.md run 25).
   float dqa[kDQ / 8][4];
   auto dq_issue = [&](int stage) {
 #pragma unroll
@@ -100,8 +101,8 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
   // past the end go to the scratch row after dq_accum (no branch, which would rebuild the address per
   // atomic). At d128 the atomics cost 40% of the backward (b1 h32 8192): each step's proxy fence is a
   // memory barrier that holds every thread until its atomics have drained. kBulkDQ: the accumulator
-  // goes to a staging tile in shared memory (16-byte stores during the first half's exps) and, after
-  // the next step's barrier, one elected thread per warpgroup adds it to dq_accum's tiles with a bulk
+  // goes to a staging tile in shared memory (16-byte stores at the end of the step) and, after the
+  // next step's barrier, one elected thread per warpgroup adds it to dq_accum's tiles with a bulk
   // reduce (the TMA unit): 10-12% faster at d128, but 17-23% slower at d64, where the atomics hide
   // behind the rest of the step.
   constexpr int kAtomics = kDQ / 4, kStores = kDQ / 8;  // per thread and step
@@ -121,7 +122,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
   };
   const uint32_t s_dq = s0 + C::kDQS + (wg * kStores * 128 + threadIdx.x % 128) * 16;
   const bool elected = threadIdx.x % 128 == 0;
-  Pos dq_at = cur;  // kBulkDQ: the queries whose dQ the staging tile written last step holds
+  Pos dq_at = cur;  // kBulkDQ: the queries whose dQ the staging tile holds
   auto dq_stage = [&](int n) {
     if (n == 0) {  // the warpgroup's last reduce has read the tile
       if (elected) bulk_wait_read<0>();
@@ -134,35 +135,27 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     bulk_reduce_add(dst + wg * kBr * kDQ, s0 + C::kDQS + wg * kBr * kDQ * 4, kBr * kDQ * 4);
     bulk_commit();
   };
-  // After column tile nq of half hq of the exps.
+  // The atomics, after column tile nq of half hq of the exps.
   auto dq_out = [&](int step, int hq, int nq) {
-    constexpr int kHalf = kNQ / 2;
-    if constexpr (C::kBulkDQ) {
-      static_assert(kStores % kHalf == 0, "the same number of stores after each column tile");
+    static_assert(C::kBulkDQ || kAtomics % kNQ == 0, "the same number of atomics after each column tile");
 #pragma unroll
-      for (int j = 0; j < kStores / kHalf; ++j)
-        if (hq == 0 && step > 0) dq_stage(nq * (kStores / kHalf) + j);
-    } else {
-      static_assert(kAtomics % kNQ == 0, "the same number of atomics after each column tile");
-#pragma unroll
-      for (int j = 0; j < kAtomics / kNQ; ++j)
-        if (step > 0) dq_add((hq * kHalf + nq) * (kAtomics / kNQ) + j);
-    }
+    for (int j = 0; j < kAtomics / kNQ; ++j)
+      if (!C::kBulkDQ && step > 0) dq_add((hq * kNQ / 2 + nq) * (kAtomics / kNQ) + j);
   };
 
   const Policy pol(p);
   float dk[kND][4] = {}, dv[kND][4] = {};
   for (int step = 0; step < steps; ++step) {
-    // This step's tiles have landed for every thread and, like step-1's dS~^T stores, are visible to
-    // the async proxy (one fence per step); every warpgroup is done with step-1, so its dS~^T is
-    // complete and the other stage is free.
+    // This step's tiles have landed for every thread and, like step-1's dS~^T (d64) or dQ staging (d128)
+    // stores, are visible to the async proxy (one fence per step); every warpgroup is done with step-1,
+    // so its dS~^T or staging tile is complete and the other stage is free.
     cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();
     const int stage = step & 1, h = cur.h, m0 = cur.m0;
-    if (C::kBulkDQ && elected && step >= 2) dq_reduce();
+    if (C::kBulkDQ && elected && step >= 1) dq_reduce();
 
-    // The previous step's dQ, then S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys x 64
+    // (d64) The previous step's dQ, then S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys x 64
     // queries, all in flight together; the next step's tiles start loading behind them.
     // Warpgroup 1 issues after warpgroup 0 has (named barrier 1): the tensor cores then finish
     // warpgroup 0's products first, and its exps start while warpgroup 1's run (H200: the cosine
@@ -172,7 +165,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     float sc[kNQ][4], dp[kNQ][4];
     if (wg == 1) named_sync(1, kThreads);
     wgmma_fence();
-    if (step > 0) dq_issue(stage ^ 1);
+    if (!C::kBulkDQ && step > 0) dq_issue(stage ^ 1);
 #pragma unroll
     for (int kk = 0; kk < kKD; ++kk)
       wgmma_ss<0, 0>(sc, desc_k(sK, 64 * wg, kk * 16, sizeof(T)), desc_k(q_tile(stage), 0, kk * 16, sizeof(T)), kk > 0,
@@ -186,13 +179,12 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     if (wg == 0) named_sync(1, kThreads);
     if (step + 1 < steps) load_q(walk.next(cur), stage ^ 1);
     cp_async_commit();
-    // (Adding dQ after a wait for its group alone would overlap the atomics too, but ptxas then
+    // (At d64, adding dQ after a wait for its group alone would overlap the atomics too, but ptxas then
     // serialises every wgmma of the kernel: it sees accumulators read inside the pipeline stage.)
     wgmma_wait<0>();
-    fence_acc(dqa);
-    if (step > 0) {
-      if constexpr (C::kBulkDQ) dq_at = prev;
-      else dq_rows(prev);
+    if (!C::kBulkDQ && step > 0) {
+      fence_acc(dqa);
+      dq_rows(prev);
     }
     fence_acc(sc);
     fence_acc(dp);
@@ -214,6 +206,13 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
         M::c_to_a(pa[kq], sc[2 * kq], sc[2 * kq + 1]);
         M::c_to_a(da[kq], dp[2 * kq], dp[2 * kq + 1]);
       }
+      if (C::kBulkDQ && hq == 1) {  // dQ ahead of the second half's dV and dK
+        store_ds_sm90<T>(ds_tile(stage), da, wkey);
+        fence_proxy_async();
+        named_sync(4, kThreads);  // both warpgroups' dS~^T is in
+        wgmma_fence();
+        dq_issue(stage);
+      }
       wgmma_fence();
 #pragma unroll
       for (int kq = hq * kHalf / 2; kq < (hq + 1) * kHalf / 2; ++kq) {
@@ -222,37 +221,41 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
       }
       wgmma_commit();
     }
+    // d128: dQ to the staging tile once its product is in, while the second half's dV and dK run. d64:
     // dS~^T to this step's buffer while those run, for dQ during the next step.
-    store_ds_sm90<T>(ds_tile(stage), dp, wkey);
+    if constexpr (C::kBulkDQ) {
+      wgmma_wait<1>();
+      fence_acc(dqa);
+      dq_at = cur;
+#pragma unroll
+      for (int n = 0; n < kStores; ++n) dq_stage(n);
+    } else {
+      store_ds_sm90<T>(ds_tile(stage), da, wkey);
+    }
     wgmma_wait<0>();
     fence_acc(dk);
     fence_acc(dv);
     prev = cur;
     cur = walk.next(cur);
   }
-  if (steps > 0) {  // the last step's dQ
+  if (C::kBulkDQ && steps > 0) {  // the last step's dQ, staged
+    fence_proxy_async();
+    named_sync(2 + wg, 128);
+    if (elected) {
+      dq_reduce();
+      bulk_wait<0>();
+    }
+  }
+  if (!C::kBulkDQ && steps > 0) {  // the last step's dQ
     fence_proxy_async();
     __syncthreads();
-    if (C::kBulkDQ && elected && steps >= 2) dq_reduce();
     wgmma_fence();
     dq_issue((steps - 1) & 1);
     wgmma_wait<0>();
     fence_acc(dqa);
-    if constexpr (C::kBulkDQ) {
-      dq_at = prev;
+    dq_rows(prev);
 #pragma unroll
-      for (int n = 0; n < kStores; ++n) dq_stage(n);
-      fence_proxy_async();
-      named_sync(2 + wg, 128);  // this warpgroup's stores are in
-      if (elected) {
-        dq_reduce();
-        bulk_wait<0>();
-      }
-    } else {
-      dq_rows(prev);
-#pragma unroll
-      for (int i = 0; i < kAtomics; ++i) dq_add(i);
-    }
+    for (int i = 0; i < kAtomics; ++i) dq_add(i);
   }
   bwd_store_dkdv<T, D>(p, dk, dv, sK, wkey + g, keys, bhk, n0);
 #endif
