@@ -31,9 +31,9 @@ struct Sm90Bwd {
   // K | V | 2 x Q | 2 x dO | 2 x dS~^T | 2 x (stat, delta, 1/|q|) | with kBulkDQ one dQ tile (fp32,
   // dq_tile_offset's order), every tile 1024-byte aligned (the swizzle pattern's period), plus the
   // slack to align the dynamic shared memory's start. One dQ tile keeps d128 (199,168 bytes) within
-  // the 196 KB shared-memory carve-out, which leaves L1 60 KB for the kernel's spills; two tiles need
-  // the 228 KB one, which leaves 28 KB (H200, b1 h32 8192: 7.27 ms with two tiles, 7.09 with one, 7.91
-  // with one under the 228 KB carve-out; bench/NOTES.md run 18).
+  // the 196 KB shared-memory carve-out, which leaves L1 60 KB; two tiles need the 228 KB one, which
+  // leaves 28 KB (H200, b1 h32 8192, when the kernel still spilled: 7.27 ms with two tiles, 7.09 with
+  // one, 7.91 with one under the 228 KB carve-out; bench/NOTES.md run 18).
   static constexpr int kK = 0, kV = kTileK, kQ = 2 * kTileK, kDO = kQ + 2 * kTileQ, kDS = kDO + 2 * kTileQ;
   static constexpr int kVec = kDS + 2 * kTileS, kDQS = kVec + 2 * 3 * kRows * 4, kTileDQ = kRows * D * 4;
   static constexpr int kBytes = kDQS + (kBulkDQ ? kTileDQ : 0) + 1024;
