@@ -8,10 +8,11 @@
 // registers feed dV += P^T dO and dK += dS~^T Q as register A operands, while dS~^T goes to shared
 // memory for dQ = dS~ K (each warpgroup half of the head dim's columns): at d64 in the next step, added
 // to the fp32 buffer with vector atomics; at d128 at the end of the same step, added with a bulk
-// reduce. Loads are cp.async, double-buffered, one barrier per step (two at d128). (A producer warpgroup with TMA and mbarrier hand-offs between
-// the warpgroups, as in the forward, was slower here: branch next/bwd-ws, bench/NOTES.md run 14. So
-// were the hand-offs without the producer, and warpgroup 1 skewed half a step so that its exps run
-// under warpgroup 0's products: +27% and +16% at d64, branch next/bwd-skew, run 24.)
+// reduce. Loads are cp.async, double-buffered, one barrier per step (two at d128). (A producer
+// warpgroup with TMA and mbarrier hand-offs between the warpgroups, as in the forward, was slower
+// here: branch next/bwd-ws, bench/NOTES.md run 14. So were the hand-offs without the producer, and
+// warpgroup 1 skewed half a step so that its exps run under warpgroup 0's products: +27% and +16% at
+// d64, branch next/bwd-skew, run 24.)
 #pragma once
 #include "bwd.cuh"
 #include "wgmma.cuh"
@@ -41,9 +42,9 @@ struct Sm90Bwd {
   static_assert(!kSupported || kBytes + 1024 <= 196 * 1024, "the 196 KB carve-out, with the 1 KB the system reserves");
 };
 
-// dS~^T of this warp's 16 keys from wkey x the step's queries to the step's buffer, for dQ in the next
-// step: each column tile of the accumulator is two 8x8 matrices, so one stmatrix stores two tiles (one
-// st.shared per pair of elements otherwise).
+// dS~^T of this warp's 16 keys from wkey x the step's queries to the step's buffer, for dQ: each A
+// fragment of dK's product (c_to_a) holds two column tiles of the accumulator, four 8x8 matrices, which
+// is what one stmatrix stores (one st.shared per pair of elements otherwise).
 template <class T, int kKQ>
 __device__ __forceinline__ void store_ds_sm90(const SwTile& sds, const uint32_t (&da)[kKQ][4], int wkey) {
   const int l = lane_id(), row = wkey + (l & 7) + 8 * ((l >> 3) & 1);
@@ -122,7 +123,6 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
   };
   const uint32_t s_dq = s0 + C::kDQS + (wg * kStores * 128 + threadIdx.x % 128) * 16;
   const bool elected = threadIdx.x % 128 == 0;
-  Pos dq_at = cur;  // kBulkDQ: the queries whose dQ the staging tile holds
   auto dq_stage = [&](int n) {
     if (n == 0) {  // the warpgroup's last reduce has read the tile
       if (elected) bulk_wait_read<0>();
@@ -130,8 +130,8 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     }
     sts128(s_dq + n * 128 * 16, dqa[n][0], dqa[n][1], dqa[n][2], dqa[n][3]);
   };
-  auto dq_reduce = [&]() {  // the elected thread, after a proxy fence and barrier
-    float* dst = p.dq_accum + (static_cast<int64_t>(b * p.H + dq_at.h) * dq_tiled_rows(p.I) + dq_at.m0) * D;
+  auto dq_reduce = [&]() {  // the elected thread, after a proxy fence and barrier: step prev's staged dQ
+    float* dst = p.dq_accum + (static_cast<int64_t>(b * p.H + prev.h) * dq_tiled_rows(p.I) + prev.m0) * D;
     bulk_reduce_add(dst + wg * kBr * kDQ, s0 + C::kDQS + wg * kBr * kDQ * 4, kBr * kDQ * 4);
     bulk_commit();
   };
@@ -226,7 +226,6 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     if constexpr (C::kBulkDQ) {
       wgmma_wait<1>();
       fence_acc(dqa);
-      dq_at = cur;
 #pragma unroll
       for (int n = 0; n < kStores; ++n) dq_stage(n);
     } else {
@@ -238,24 +237,24 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     prev = cur;
     cur = walk.next(cur);
   }
-  if (C::kBulkDQ && steps > 0) {  // the last step's dQ, staged
+  if (steps > 0) {  // the last step's dQ: staged at d128, still to compute at d64
     fence_proxy_async();
-    named_sync(2 + wg, 128);
-    if (elected) {
-      dq_reduce();
-      bulk_wait<0>();
-    }
-  }
-  if (!C::kBulkDQ && steps > 0) {  // the last step's dQ
-    fence_proxy_async();
-    __syncthreads();
-    wgmma_fence();
-    dq_issue((steps - 1) & 1);
-    wgmma_wait<0>();
-    fence_acc(dqa);
-    dq_rows(prev);
+    if constexpr (C::kBulkDQ) {
+      named_sync(2 + wg, 128);
+      if (elected) {
+        dq_reduce();
+        bulk_wait<0>();
+      }
+    } else {
+      __syncthreads();
+      wgmma_fence();
+      dq_issue((steps - 1) & 1);
+      wgmma_wait<0>();
+      fence_acc(dqa);
+      dq_rows(prev);
 #pragma unroll
-    for (int i = 0; i < kAtomics; ++i) dq_add(i);
+      for (int i = 0; i < kAtomics; ++i) dq_add(i);
+    }
   }
   bwd_store_dkdv<T, D>(p, dk, dv, sK, wkey + g, keys, bhk, n0);
 #endif
