@@ -210,6 +210,31 @@ def test_layouts_give_the_same_bits():
     assert torch.equal(shared, cosine_sim_attention(q, k[:, :1], v[:, :1], backend="cuda"))
 
 
+@pytest.mark.parametrize("portable", [True, False], ids=["mma_sync", "wgmma"])
+def test_causal_sections_of_heads(monkeypatch, portable):
+    """Long causal grids run in sections of a few heads (score.cuh's block_slot; at n16384 d128 bf16:
+    four heads per forward section, two per backward one), so five heads end on a short section. Every
+    block must run once: each head's output and dK, dV are the bits of that head run alone, whose grid
+    is one section, and dQ (summed across blocks in another order) agrees to its rounding."""
+    monkeypatch.setenv("ATTN_PORTABLE_KERNELS", "1" if portable else "0")
+    g = torch.Generator(device="cuda").manual_seed(6)
+    q, k, v, dout = (torch.randn(1, 5, 16384, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+                     for _ in range(4))
+
+    def run(*heads):
+        leaves = [t[:, list(heads)].requires_grad_() for t in (q, k, v)]
+        poison_allocator()
+        out = cosine_sim_attention(*leaves, causal=True, backend="cuda")
+        return (out, *torch.autograd.grad(out, leaves, dout[:, list(heads)]))
+
+    together = run(*range(5))
+    for h in range(5):
+        out, dq, dk, dv = run(h)
+        for name, got, want in [("out", together[0], out), ("dk", together[2], dk), ("dv", together[3], dv)]:
+            assert torch.equal(got[:, h:h + 1], want), f"head {h}: {name}"
+        torch.testing.assert_close(together[1][:, h:h + 1], dq, rtol=2**-7, atol=1e-3 * dq.abs().max().item())
+
+
 def test_long_sequence_stays_finite():
     g = torch.Generator(device="cuda").manual_seed(5)
     n = 65536

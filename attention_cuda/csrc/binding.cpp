@@ -220,6 +220,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_fwd(const Tensor& q, const Tenso
     p.rq = rq.data_ptr<float>(), p.rk = rk.data_ptr<float>();
   }
   p.o = out.data_ptr(), p.stat = stat.data_ptr<float>();
+  // A forward block streams its kv head's K and V, which the group's adjacent query heads share.
+  p.section = causal ? attn::section_heads(c.B * c.H, 2 * int64_t{c.J} * c.D * q.element_size() / p.group) : 1;
   check_ok(c.fwd(p, pol.score, stream), "forward kernel");
   return {out, stat, rq, rk};
 }
@@ -258,6 +260,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_bwd(const Tensor& dout, const Te
   p.dout = dout_c.data_ptr(), p.delta = delta.data_ptr<float>(), p.dq_accum = dq_accum.data_ptr<float>();
   p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
   p.dbias = bias_grad ? dbias.data_ptr() : nullptr;
+  // A backward block streams its group's Q, dO and fp32 dQ rows.
+  const int64_t head_bytes = int64_t{p.group} * c.I * c.D * (2 * q.element_size() + sizeof(float));
+  p.section = causal ? attn::section_heads(c.B * c.Hkv, head_bytes) : 1;
   check_ok(attn::run_delta(c.dtype, p, c.D, stream), "delta");
   check_ok(c.bwd(p, pol.score, stream), "backward kernel");
   return {dq, dk, dv, dbias};

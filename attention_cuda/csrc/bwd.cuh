@@ -224,12 +224,10 @@ struct BwdWalk {
   const Params& p;
   int bhk, n0, b, hk, m_first, m_start, steps;
   __device__ explicit BwdWalk(const Params& p_) : p(p_) {
-    // Block order, as in the forward (FwdBlock). Causal: key blocks first to last across all heads (the
-    // first ones see the most queries). Otherwise heads one after another, so that the blocks resident
-    // at a time share a few heads' Q, dO and dQ buffer in L2.
-    const int n_blocks = cdiv(p.J, kBc), bhk_count = p.B * p.Hkv;
-    bhk = p.causal ? blockIdx.x % bhk_count : blockIdx.x / n_blocks;
-    n0 = (p.causal ? blockIdx.x / bhk_count : blockIdx.x % n_blocks) * kBc;
+    // Key blocks first to last (under causal the first see the most queries).
+    const BlockSlot slot = block_slot(p, p.B * p.Hkv, cdiv(p.J, kBc));
+    bhk = slot.head;
+    n0 = slot.rank * kBc;
     b = bhk / p.Hkv, hk = bhk % p.Hkv;
     const int n_mtiles = cdiv(p.I, kBr);
     m_first = p.causal ? min(n_mtiles, max(0, n0 - (p.J - p.I)) / kBr) : 0;

@@ -150,13 +150,11 @@ struct FwdBlock {
   int64_t row_vec;  // this (batch, head)'s offset in the per-row vectors (1/|q|, stat)
 
   __device__ explicit FwdBlock(const Params& params) : p(params) {
-    // Block order. Causal: row blocks latest first across all heads, the heaviest first, so that the
-    // grid's tail is made of short blocks. Otherwise heads one after another, so that the blocks
-    // resident at a time share a few heads' K/V in L2 (all heads' K/V outgrow it: 128 MB at b4 h8
-    // n16384 d64). H200, bf16, b4 h8 d64: each order is 3-20% slower on the other's case.
-    const int m_blocks = cdiv(p.I, kBr), bh_count = p.B * p.H;
-    bh = p.causal ? blockIdx.x % bh_count : blockIdx.x / m_blocks;
-    m0 = (m_blocks - 1 - (p.causal ? blockIdx.x / bh_count : blockIdx.x % m_blocks)) * kBr;
+    // Row blocks latest first (under causal the heaviest first).
+    const int m_blocks = cdiv(p.I, kBr);
+    const BlockSlot slot = block_slot(p, p.B * p.H, m_blocks);
+    bh = slot.head;
+    m0 = (m_blocks - 1 - slot.rank) * kBr;
     const int b = bh / p.H, h = bh % p.H, hk = h / p.group;
     k = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh;
     v = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh;

@@ -21,6 +21,17 @@ enum class Score {
 // row), so the backward never reads an unwritten value.
 inline int pad4(int n) { return (n + 3) / 4 * 4; }
 
+// Heads per section of a causal grid's block order (block_slot, score.cuh) whose blocks stream
+// head_bytes per head: as many as stream 64 MB together, about L2's size (the resident blocks of a
+// head walk its rows in step, so they hold far less at a time). H200, bf16 d128 n16384 causal forward
+// (8 MB of K/V per head): sections of 8 heads 3.33-3.64 ms, of 2 or 4 3.34-3.80, all 32 heads at once
+// 3.63-4.02 (bench/NOTES.md run 26).
+inline int section_heads(int heads, int64_t head_bytes) {
+  constexpr int64_t kL2Part = int64_t{64} << 20;
+  const int64_t fit = kL2Part / (head_bytes > 1 ? head_bytes : 1);
+  return fit < 1 ? 1 : fit < heads ? static_cast<int>(fit) : heads;
+}
+
 constexpr float kNormEps = 1e-12f;  // same clamp as torch.nn.functional.normalize
 // Query rows per tile of dq_accum in the Hopper backward's layout (dq_tile_offset, mma.cuh).
 constexpr int kDqTileRows = 64;
@@ -41,6 +52,7 @@ struct Params {
   const float* rk;
   int i_pad, j_pad;
   bool causal;     // bottom-right aligned: query t sees keys s <= t + J - I
+  int section;     // heads per section of the block order (block_slot, score.cuh); 1 without causal
   bool normalize;  // divide by l = sum_s A_ts
 
   // Logit y = alpha * (q.k) * rq * rk + beta * bias (log2 domain for the exp family: alpha, beta

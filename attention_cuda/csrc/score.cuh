@@ -72,6 +72,21 @@ __device__ __forceinline__ float bias_at(const Params& p, const T* bias_bh, int 
 
 __host__ __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
 
+// Block order of the tiled kernels: the grid walks sections of p.section heads one after another,
+// and within a section the block rank (0 = the longest block under causal) is slowest and the head
+// fastest. Under causal, ranks first to last over all heads at once keep the grid's tail short, but the
+// blocks resident at a time then read every head's operands from memory (256 MB of K/V for the
+// forward at d128 n16384), so a section holds what L2 can share (section_heads, params.h). Without causal
+// every block is as long, and a section is one head.
+struct BlockSlot {
+  int head, rank;
+};
+__device__ __forceinline__ BlockSlot block_slot(const Params& p, int heads, int ranks) {
+  const int first = blockIdx.x / (p.section * ranks) * p.section, n = min(p.section, heads - first);
+  const int r = blockIdx.x - first * ranks;
+  return {first + r % n, r / n};
+}
+
 template <class T>
 constexpr Dtype dtype_of() {
   return sizeof(T) == 4 ? Dtype::kF32 : std::is_same_v<T, __half> ? Dtype::kF16 : Dtype::kBF16;
