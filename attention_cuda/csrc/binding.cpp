@@ -17,41 +17,29 @@
 
 namespace attn {
 namespace {
-std::map<std::pair<int, int>, std::tuple<FwdFn, BwdFn, LinFn>>& registry() {
-  static std::map<std::pair<int, int>, std::tuple<FwdFn, BwdFn, LinFn>> r;
+std::map<std::pair<int, int>, Kernels>& registry() {
+  static std::map<std::pair<int, int>, Kernels> r;
   return r;
 }
 }  // namespace
 
-bool register_kernels(Dtype dtype, int head_dim, FwdFn fwd, BwdFn bwd, LinFn lin) {
-  registry()[{static_cast<int>(dtype), head_dim}] = {fwd, bwd, lin};
+bool register_kernels(Dtype dtype, int head_dim, const Kernels& kernels) {
+  registry()[{static_cast<int>(dtype), head_dim}] = kernels;
   return true;
 }
 
 bool find_kernels(Dtype dtype, int head_dim, FwdFn* fwd, BwdFn* bwd, LinFn* lin) {
   auto it = registry().find({static_cast<int>(dtype), head_dim});
   if (it == registry().end()) return false;
-  std::tie(*fwd, *bwd, std::ignore) = it->second;
-  if (lin) *lin = std::get<2>(it->second);
-  return true;
-}
-
-namespace {
-std::map<std::pair<int, int>, std::pair<LinStateFn, LinReadFn>>& chunked_registry() {
-  static std::map<std::pair<int, int>, std::pair<LinStateFn, LinReadFn>> r;
-  return r;
-}
-}  // namespace
-
-bool register_chunked(Dtype dtype, int head_dim, LinStateFn state, LinReadFn read) {
-  chunked_registry()[{static_cast<int>(dtype), head_dim}] = {state, read};
+  *fwd = it->second.fwd, *bwd = it->second.bwd;
+  if (lin) *lin = it->second.lin;
   return true;
 }
 
 bool find_chunked(Dtype dtype, int head_dim, LinStateFn* state, LinReadFn* read) {
-  auto it = chunked_registry().find({static_cast<int>(dtype), head_dim});
-  if (it == chunked_registry().end() || !use_sm90()) return false;
-  std::tie(*state, *read) = it->second;
+  auto it = registry().find({static_cast<int>(dtype), head_dim});
+  if (it == registry().end() || !it->second.state || !use_sm90()) return false;
+  *state = it->second.state, *read = it->second.read;
   return true;
 }
 

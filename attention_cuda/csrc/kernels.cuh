@@ -18,31 +18,22 @@ cudaError_t run_on_device(const Params& p, Score score, cudaStream_t stream) {
   return kPortable(p, score, stream);
 }
 
-template <class T, int D>
-constexpr LinFn linear_fn() {
-  if constexpr (sizeof(T) == 2) {
-    return &run_linear<T, D>;
-  } else {
-    return nullptr;
-  }
-}
-
-// The chunked linear form's kernels where they are built: sm_90a, fp16/bf16, the head dims whose
+// What (T, D) registers: the forward and backward for the current device, the linear form's sweep for
+// fp16/bf16, and its chunked kernels where they are built: sm_90a, fp16/bf16, the head dims whose
 // w = [v, 1] width (D + 8) has a wgmma instance (wgmma.cuh).
 template <class T, int D>
-bool register_chunked_kernels(Dtype dtype) {
+Kernels kernels_of() {
+  Kernels k{&run_on_device<Sm90Fwd<T, D>, &run_fwd<T, D>>, &run_on_device<Sm90Bwd<T, D>, &run_bwd<T, D>>, nullptr,
+            nullptr, nullptr};
+  if constexpr (sizeof(T) == 2) k.lin = &run_linear<T, D>;
 #if defined(ATTN_SM90A)
-  if constexpr (sizeof(T) == 2 && (D == 64 || D == 128)) return register_chunked(dtype, D, &run_lin_state<T, D>,
-                                                                                  &run_lin_read<T, D>);
+  if constexpr (sizeof(T) == 2 && (D == 64 || D == 128)) k.state = &run_lin_state<T, D>, k.read = &run_lin_read<T, D>;
 #endif
-  return false;
+  return k;
 }
 }  // namespace attn
 
-#define ATTN_REGISTER(T, DTYPE, D)                                                                              \
-  namespace {                                                                                                   \
-  const bool registered = attn::register_kernels(                                                               \
-      attn::Dtype::DTYPE, D, &attn::run_on_device<attn::Sm90Fwd<T, D>, &attn::run_fwd<T, D>>,                   \
-      &attn::run_on_device<attn::Sm90Bwd<T, D>, &attn::run_bwd<T, D>>, attn::linear_fn<T, D>());                \
-  const bool chunked = attn::register_chunked_kernels<T, D>(attn::Dtype::DTYPE);                                \
+#define ATTN_REGISTER(T, DTYPE, D) \
+  namespace {                      \
+  const bool registered = attn::register_kernels(attn::Dtype::DTYPE, D, attn::kernels_of<T, D>()); \
   }
