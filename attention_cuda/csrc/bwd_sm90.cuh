@@ -8,11 +8,11 @@
 // registers feed dV += P^T dO and dK += dS~^T Q as register A operands, while dS~^T goes to shared
 // memory for dQ = dS~ K (each warpgroup half of the head dim's columns): at d64 in the next step, added
 // to the fp32 buffer with vector atomics; at d128 at the end of the same step, added with a bulk
-// reduce. Loads are cp.async, double-buffered, one barrier per step (two at d128). (A producer
-// warpgroup with TMA and mbarrier hand-offs between the warpgroups, as in the forward, was slower
-// here: branch next/bwd-ws, bench/NOTES.md run 14. So were the hand-offs without the producer, and
-// warpgroup 1 skewed half a step so that its exps run under warpgroup 0's products: +27% and +16% at
-// d64, branch next/bwd-skew, run 24.)
+// reduce. Loads are double-buffered, cp.async at d64 and TMA at d128, one barrier per step (two at
+// d128). (A producer warpgroup with TMA and mbarrier hand-offs between the warpgroups, as in the
+// forward, was slower here: branch next/bwd-ws, bench/NOTES.md run 14. So were the hand-offs without
+// the producer, and warpgroup 1 skewed half a step so that its exps run under warpgroup 0's products:
+// +27% and +16% at d64, branch next/bwd-skew, run 24.)
 #pragma once
 #include "bwd.cuh"
 #include "wgmma.cuh"
@@ -27,19 +27,23 @@ struct Sm90Bwd {
   // dim columns: each warpgroup kDQ of them. kBulkDQ: how it leaves the block (see the kernel).
   static constexpr int kWarps = 8, kCols = 128, kRows = 64, kDQ = D / 2;
   static constexpr bool kBulkDQ = D > 64;
+  // kTma: a step's tiles arrive by TMA (see the kernel). H200, bf16: the d128 backward 2-3% faster than
+  // with cp.async by every thread, the d64 one 7-9% slower (bench/NOTES.md run 28).
+  static constexpr bool kTma = D > 64;
   static constexpr int kTileK = kCols * D * sizeof(T), kTileQ = kRows * D * sizeof(T);
   static constexpr int kTileS = kCols * kRows * sizeof(T);
   // K | V | 2 x Q | 2 x dO | 2 x dS~^T | 2 x (stat, delta, 1/|q|) | with kBulkDQ one dQ tile (fp32,
-  // dq_tile_offset's order), every tile 1024-byte aligned (the swizzle pattern's period), plus the
-  // slack to align the dynamic shared memory's start. One dQ tile keeps d128 (199,168 bytes) within
-  // the 196 KB shared-memory carve-out, which leaves L1 60 KB; two tiles need the 228 KB one, which
-  // leaves 28 KB (H200, b1 h32 8192, when the kernel still spilled: 7.27 ms with two tiles, 7.09 with
-  // one, 7.91 with one under the 228 KB carve-out; bench/NOTES.md run 18).
+  // dq_tile_offset's order) | two mbarriers (kTma), every tile 1024-byte aligned (the swizzle
+  // pattern's period), plus the slack to align the dynamic shared memory's start. One dQ tile keeps
+  // d128 (199,184 bytes) within the 196 KB shared-memory carve-out, which leaves L1 60 KB; two tiles
+  // need the 228 KB one, which leaves 28 KB (H200, b1 h32 8192, when the kernel still spilled: 7.27 ms
+  // with two tiles, 7.09 with one, 7.91 with one under the 228 KB carve-out; bench/NOTES.md run 18).
   static constexpr int kK = 0, kV = kTileK, kQ = 2 * kTileK, kDO = kQ + 2 * kTileQ, kDS = kDO + 2 * kTileQ;
   static constexpr int kVec = kDS + 2 * kTileS, kDQS = kVec + 2 * 3 * kRows * 4, kTileDQ = kRows * D * 4;
-  static constexpr int kBytes = kDQS + (kBulkDQ ? kTileDQ : 0) + 1024;
+  static constexpr int kBar = kDQS + (kBulkDQ ? kTileDQ : 0), kBytes = kBar + 16 + 1024;
   static_assert(kRows == kDqTileRows, "dQ's tiles (dq_tile_offset) are one step of queries");
-  static_assert(!kSupported || kBytes + 1024 <= 196 * 1024, "the 196 KB carve-out, with the 1 KB the system reserves");
+  static_assert(!kSupported || kBytes + 1024 <= 196 * 1024,
+                "the 196 KB carve-out, with the 1 KB the system reserves");
 };
 
 // dS~^T of this warp's 16 keys from wkey x the step's queries to the step's buffer, for dQ: each A
@@ -53,9 +57,22 @@ __device__ __forceinline__ void store_ds_sm90(const SwTile& sds, const uint32_t 
     stsm_x4(sds.at(row, (2 * kq + (l >> 4)) * 8 * sizeof(T)), da[kq][0], da[kq][1], da[kq][2], da[kq][3]);
 }
 
+// The kernel's parameter: with kTma the Params and the TMA descriptors, which must live in parameter
+// (or constant) space; otherwise the Params alone (the d64 kernel compiles as it did before kTma).
+struct Sm90BwdArgs {
+  CUtensorMap q, dout;
+  Params p;
+};
+template <class T, int D>
+using Sm90BwdParam = std::conditional_t<Sm90Bwd<T, D>::kTma, Sm90BwdArgs, Params>;
+__device__ __forceinline__ const Params& params_of(const Params& p) { return p; }
+__device__ __forceinline__ const Params& params_of(const Sm90BwdArgs& a) { return a.p; }
+
 template <class T, int D, class Policy>
-__global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel(const Params p) {
+__global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
+    bwd_sm90_kernel(const __grid_constant__ Sm90BwdParam<T, D> args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const Params& p = params_of(args);
   using C = Sm90Bwd<T, D>;
   using M = Mma<T>;
   constexpr int kThreads = C::kWarps * 32, kBc = C::kCols, kBr = C::kRows;
@@ -74,13 +91,52 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
   const int warp = warp_index(), g = threadIdx.x % 32 / 4;
   const int wg = warp / 4, wkey = warp * 16;  // warpgroup wg: keys 64 wg ..; this warp: 16 of them
   using Pos = typename BwdWalk<T, D, kBc, kBr, kThreads>::Pos;
+  // A step's Q and dO tiles and (stat, delta, 1/|q|) vectors into a stage. kTma: TMA boxes, one per
+  // 64-byte panel (rows past the end arrive as zeros), and bulk copies of the vectors up to i_pad, all
+  // completing on the stage's mbarrier, issued by one thread of warpgroup 1 once its products for the
+  // step are out. Otherwise cp.async by every thread, after warpgroup 0's products.
+  constexpr int kLoader = 128;
+  const uint32_t full = s0 + C::kBar;
   auto load_q = [&](Pos at, int stage) {
-    walk.load_q(at, q_tile(stage), do_tile(stage), s0 + C::kVec + stage * 3 * kBr * 4);
+    const uint32_t vec = s0 + C::kVec + stage * 3 * kBr * 4, bar = full + 8 * stage;
+    if constexpr (C::kTma) {
+      const int64_t row = static_cast<int64_t>(b * p.H + at.h) * p.i_pad + at.m0;
+      const int vec_bytes = min(kBr, p.i_pad - at.m0) * 4;
+      mbar_expect_tx(bar, 2 * C::kTileQ + (p.rq ? 3 : 2) * vec_bytes);
+#pragma unroll
+      for (int c = 0; c < D / 32; ++c) {
+        tma_load_4d(q_tile(stage).base + c * q_tile(stage).panel_bytes(), &args.q, bar, 32 * c, at.m0, at.h, b);
+        tma_load_4d(do_tile(stage).base + c * do_tile(stage).panel_bytes(), &args.dout, bar, 32 * c, at.m0, at.h,
+                    b);
+      }
+      bulk_load(vec, p.stat + row, vec_bytes, bar);
+      bulk_load(vec + kBr * 4, p.delta + row, vec_bytes, bar);
+      if (p.rq) bulk_load(vec + 2 * kBr * 4, p.rq + row, vec_bytes, bar);
+    } else {
+      walk.load_q(at, q_tile(stage), do_tile(stage), vec);
+    }
   };
   walk.load_kv(sK, sV);
   Pos cur = walk.first(), prev = cur;
-  if (steps > 0) load_q(cur, 0);
-  cp_async_commit();
+  if constexpr (C::kTma) {
+    cp_async_commit();
+    // The vectors' entries past i_pad are never loaded: finite there, the weights of rows past the end
+    // stay 0 (P = 0 * stat).
+    float* const vec0 = reinterpret_cast<float*>(smem_raw + (s0 - raw) + C::kVec);
+    for (int i = threadIdx.x; i < 2 * 3 * kBr; i += kThreads) vec0[i] = 0.f;
+    if (threadIdx.x == 0) {
+      mbar_init(full, 1);
+      mbar_init(full + 8, 1);
+      mbar_fence_init();
+    }
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    if (threadIdx.x == kLoader && steps > 0) load_q(cur, 0);
+  } else {
+    if (steps > 0) load_q(cur, 0);
+    cp_async_commit();
+  }
   const KeyRows keys(p, b, hk, mask, n0 + wkey + g);
 
   // dQ += dS~ K for one step's queries, the reduction over the block's 128 keys: A = dS~ read M-major
@@ -149,11 +205,12 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
     // This step's tiles have landed for every thread and, like step-1's dS~^T (d64) or dQ staging (d128)
     // stores, are visible to the async proxy (one fence per step); every warpgroup is done with step-1,
     // so its dS~^T or staging tile is complete and the other stage is free.
-    cp_async_wait<0>();
+    const int stage = step & 1, h = cur.h, m0 = cur.m0;
+    if (!C::kTma) cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();
-    const int stage = step & 1, h = cur.h, m0 = cur.m0;
     if (C::kBulkDQ && elected && step >= 1) dq_reduce();
+    if (C::kTma) mbar_wait(full + 8 * stage, (step >> 1) & 1);
 
     // (d64) The previous step's dQ, then S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys x 64
     // queries, all in flight together; the next step's tiles start loading behind them.
@@ -177,8 +234,8 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
                      kk > 0, T{});
     wgmma_commit();
     if (wg == 0) named_sync(1, kThreads);
-    if (step + 1 < steps) load_q(walk.next(cur), stage ^ 1);
-    cp_async_commit();
+    if ((!C::kTma || threadIdx.x == kLoader) && step + 1 < steps) load_q(walk.next(cur), stage ^ 1);
+    if (!C::kTma) cp_async_commit();
     // (At d64, adding dQ after a wait for its group alone would overlap the atomics too, but ptxas then
     // serialises every wgmma of the kernel: it sees accumulators read inside the pipeline stage.)
     wgmma_wait<0>();
@@ -264,10 +321,21 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1) bwd_sm90_kernel
 template <class T, int D>
 cudaError_t Sm90Bwd<T, D>::run(const Params& p, Score score, cudaStream_t stream) {
   using C = Sm90Bwd<T, D>;
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  Sm90BwdParam<T, D> args;
+  if constexpr (C::kTma) {
+    args.p = p;
+    if (!make_tensor_map(&args.q, p.q, kBf16, D, p.I, p.H, p.B, p.q_si, p.q_sh, p.q_sb, C::kRows) ||
+        !make_tensor_map(&args.dout, p.dout, kBf16, D, p.I, p.H, p.B, D, static_cast<int64_t>(p.I) * D,
+                         static_cast<int64_t>(p.H) * p.I * D, C::kRows))
+      return run_bwd<T, D>(p, score, stream);
+  } else {
+    args = p;
+  }
   const int64_t blocks = static_cast<int64_t>(cdiv(p.J, C::kCols)) * p.B * p.Hkv;
   return with_policy(score, [&](auto policy) {
     const cudaError_t err =
-        launch(bwd_sm90_kernel<T, D, typename decltype(policy)::type>, blocks, C::kWarps * 32, C::kBytes, p, stream);
+        launch(bwd_sm90_kernel<T, D, typename decltype(policy)::type>, blocks, C::kWarps * 32, C::kBytes, args, stream);
     return err != cudaSuccess ? err : run_dq_finalize(dtype_of<T>(), p, D, C::kBulkDQ, stream);
   });
 }
