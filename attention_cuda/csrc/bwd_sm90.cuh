@@ -98,17 +98,14 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
   constexpr int kLoader = 128;
   const uint32_t full = s0 + C::kBar;
   auto load_q = [&](Pos at, int stage) {
-    const uint32_t vec = s0 + C::kVec + stage * 3 * kBr * 4, bar = full + 8 * stage;
+    const uint32_t vec = s0 + C::kVec + stage * 3 * kBr * 4;
     if constexpr (C::kTma) {
+      const uint32_t bar = full + 8 * stage;
       const int64_t row = static_cast<int64_t>(b * p.H + at.h) * p.i_pad + at.m0;
       const int vec_bytes = min(kBr, p.i_pad - at.m0) * 4;
       mbar_expect_tx(bar, 2 * C::kTileQ + (p.rq ? 3 : 2) * vec_bytes);
-#pragma unroll
-      for (int c = 0; c < D / 32; ++c) {
-        tma_load_4d(q_tile(stage).base + c * q_tile(stage).panel_bytes(), &args.q, bar, 32 * c, at.m0, at.h, b);
-        tma_load_4d(do_tile(stage).base + c * do_tile(stage).panel_bytes(), &args.dout, bar, 32 * c, at.m0, at.h,
-                    b);
-      }
+      tma_load_tile<D / 32>(q_tile(stage), &args.q, bar, at.m0, at.h, b);
+      tma_load_tile<D / 32>(do_tile(stage), &args.dout, bar, at.m0, at.h, b);
       bulk_load(vec, p.stat + row, vec_bytes, bar);
       bulk_load(vec + kBr * 4, p.delta + row, vec_bytes, bar);
       if (p.rq) bulk_load(vec + 2 * kBr * 4, p.rq + row, vec_bytes, bar);

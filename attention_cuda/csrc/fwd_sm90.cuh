@@ -100,23 +100,18 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1)
     setmaxnreg_dec<C::kProducerRegs>();
     if (warp == 4 * kWG && lane == 0) {
       const int b = blk.bh / p.H, h = blk.bh % p.H, hk = h / p.group;
-      auto load = [&](const CUtensorMap* map, const SwTile& dst, uint32_t bar, int row0, int head) {
-#pragma unroll
-        for (int c = 0; c < kPanels; ++c)
-          tma_load_4d(dst.base + c * dst.panel_bytes(), map, bar, 32 * c, row0, head, b);
-      };
       mbar_expect_tx(q_full, C::kTileQ);
-      load(&args.q, sQ, q_full, m0, h);
+      tma_load_tile<kPanels>(sQ, &args.q, q_full, m0, h, b);
       for (int j = 0; j < n_tiles; ++j) {
         const int st = j % kStages, n0 = j * kBc;
         if (j >= kStages) mbar_wait(k_empty(st), (j / kStages - 1) & 1);
         const int rk_bytes = blk.rk ? min(kBc, p.j_pad - n0) * 4 : 0;
         mbar_expect_tx(k_full(st), C::kTileKV + rk_bytes);
-        load(&args.k, k_tile(st), k_full(st), n0, hk);
+        tma_load_tile<kPanels>(k_tile(st), &args.k, k_full(st), n0, hk, b);
         if (rk_bytes) bulk_load(s0 + C::kRk + st * kBc * 4, blk.rk + n0, rk_bytes, k_full(st));
         if (j >= kStages) mbar_wait(v_empty(st), (j / kStages - 1) & 1);
         mbar_expect_tx(v_full(st), C::kTileKV);
-        load(&args.v, v_tile(st), v_full(st), n0, hk);
+        tma_load_tile<kPanels>(v_tile(st), &args.v, v_full(st), n0, hk, b);
       }
     }
     return;

@@ -177,6 +177,13 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
 }
+// Rows row0.. of (head, b) through `map` into a swizzled tile, one box per 64-byte panel of its kPanels.
+template <int kPanels>
+__device__ __forceinline__ void tma_load_tile(const SwTile& dst, const CUtensorMap* map, uint32_t bar, int row0,
+                                              int head, int b) {
+#pragma unroll
+  for (int c = 0; c < kPanels; ++c) tma_load_4d(dst.base + c * dst.panel_bytes(), map, bar, 32 * c, row0, head, b);
+}
 // `bytes` (a multiple of 16) from 16-byte aligned global memory into shared memory at dst.
 __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, int bytes, uint32_t bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
