@@ -142,11 +142,17 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
   // At d128 that makes 255 registers and ~120 bytes of spills per thread, so it goes in once both
   // warpgroups' dS~^T is stored, ahead of the second half's dV and dK, its registers those of the
   // consumed S^T and dP^T: no spills, 13% faster (H200, b1 h32 8192; bench/NOTES.md run 25).
+  // dq_keys: n 16-key slices of the reduction from slice kk0, the first overwriting dqa unless acc.
   float dqa[kDQ / 8][4];
-  auto dq_issue = [&](int stage) {
+  auto dq_keys = [&](int stage, int kk0, int n, bool acc) {
 #pragma unroll
-    for (int kk = 0; kk < kBc / 16; ++kk)
-      wgmma_ss<1, 1>(dqa, desc_mn(ds_tile(stage), kk * 16, 0), desc_mn(sK, kk * 16, wg * kDQ / 32), kk > 0, T{});
+    for (int j = 0; j < n; ++j) {
+      const int kk = kk0 + j;
+      wgmma_ss<1, 1>(dqa, desc_mn(ds_tile(stage), kk * 16, 0), desc_mn(sK, kk * 16, wg * kDQ / 32), acc || j > 0, T{});
+    }
+  };
+  auto dq_issue = [&](int stage) {
+    dq_keys(stage, 0, kBc / 16, false);
     wgmma_commit();
   };
   // dQ leaves the block one of two ways (H200, bench/NOTES.md run 17). Atomics: each thread adds its
@@ -261,11 +267,17 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
         M::c_to_a(da[kq], dp[2 * kq], dp[2 * kq + 1]);
       }
       if (C::kBulkDQ && hq == 1) {  // dQ ahead of the second half's dV and dK
+        // dQ over this warpgroup's own keys first, behind a barrier of its own: warpgroup 0, a turn
+        // ahead, has them in the tensor pipe while it waits for warpgroup 1's dS~^T (H200: 1.5% faster; run 29).
+        constexpr int kWgSlices = kBc / 32;  // 16-key slices per warpgroup
         store_ds_sm90<T>(ds_tile(stage), da, wkey);
         fence_proxy_async();
-        named_sync(4, kThreads);  // both warpgroups' dS~^T is in
+        named_sync(5 + wg, 128);  // this warpgroup's dS~^T is in
         wgmma_fence();
-        dq_issue(stage);
+        dq_keys(stage, wg * kWgSlices, kWgSlices, false);
+        named_sync(4, kThreads);  // both warpgroups' dS~^T is in
+        dq_keys(stage, (wg ^ 1) * kWgSlices, kWgSlices, true);
+        wgmma_commit();
       }
       wgmma_fence();
 #pragma unroll
