@@ -155,7 +155,7 @@ __device__ __forceinline__ void stg4(T* x, float4 v) {
   }
 }
 
-// The same epilogue for the d128 Hopper backward's tiles (dq_tile_offset): one block per 64-row tile,
+// The same epilogue for the d128 Hopper backward's tiles (dq_tile_slot): one block per 64-row tile,
 // read whole with 16-byte loads and turned row-major in shared memory, then 8 rows per warp, 4
 // columns per lane. Row by row through load_rows each 8-byte read used half of its sectors: 0.34 ms
 // at b1 h32 16384 (H200), ~1.6 TB/s. Four elements of q per lane need 8-byte aligned rows, which the
@@ -170,7 +170,6 @@ __global__ void __launch_bounds__(kWarps * 32) dq_finalize_tiles_kernel(const Pa
   const int bh = blockIdx.x / tiles, t0 = blockIdx.x % tiles * kDqTileRows;
   const float4* u = reinterpret_cast<const float4*>(p.dq_accum + (static_cast<int64_t>(bh) * tiles + t0 / kDqTileRows) *
                                                                      kDqTileRows * D);
-  // 16 bytes = slot th of column tile n: rows r and r + 8, columns 8 n + 2 (th % 4) and the next one.
   constexpr int kLoads = kDqTileRows * D / 4 / (kWarps * 32), kSteps = kRowsPerWarp / kRowsPerLoad;
   float4 v[kLoads];
 #pragma unroll
@@ -190,10 +189,9 @@ __global__ void __launch_bounds__(kWarps * 32) dq_finalize_tiles_kernel(const Pa
   }
 #pragma unroll
   for (int i = 0; i < kLoads; ++i) {
-    const int k = i * kWarps * 32 + threadIdx.x, th = k % 128;
-    const int r = th / 32 * 16 + th % 32 / 4, c = k / 128 * 8 + th % 4 * 2;
-    *reinterpret_cast<float2*>(&su[r * kPitch + c]) = make_float2(v[i].x, v[i].y);
-    *reinterpret_cast<float2*>(&su[(r + 8) * kPitch + c]) = make_float2(v[i].z, v[i].w);
+    const DqSlot at = dq_tile_slot(i * kWarps * 32 + threadIdx.x);
+    *reinterpret_cast<float2*>(&su[at.row * kPitch + at.col]) = make_float2(v[i].x, v[i].y);
+    *reinterpret_cast<float2*>(&su[(at.row + 8) * kPitch + at.col]) = make_float2(v[i].z, v[i].w);
   }
   __syncthreads();
   T* dq = static_cast<T*>(p.dq) + static_cast<int64_t>(bh) * p.I * D;

@@ -33,7 +33,7 @@ struct Sm90Bwd {
   static constexpr int kTileK = kCols * D * sizeof(T), kTileQ = kRows * D * sizeof(T);
   static constexpr int kTileS = kCols * kRows * sizeof(T);
   // K | V | 2 x Q | 2 x dO | 2 x dS~^T | 2 x (stat, delta, 1/|q|) | with kBulkDQ one dQ tile (fp32,
-  // dq_tile_offset's order) | two mbarriers (kTma), every tile 1024-byte aligned (the swizzle
+  // dq_tile_slot's order) | two mbarriers (kTma), every tile 1024-byte aligned (the swizzle
   // pattern's period), plus the slack to align the dynamic shared memory's start. One dQ tile keeps
   // d128 (199,184 bytes) within the 196 KB shared-memory carve-out, which leaves L1 60 KB; two tiles
   // need the 228 KB one, which leaves 28 KB (H200, b1 h32 8192, when the kernel still spilled: 7.27 ms
@@ -41,7 +41,7 @@ struct Sm90Bwd {
   static constexpr int kK = 0, kV = kTileK, kQ = 2 * kTileK, kDO = kQ + 2 * kTileQ, kDS = kDO + 2 * kTileQ;
   static constexpr int kVec = kDS + 2 * kTileS, kDQS = kVec + 2 * 3 * kRows * 4, kTileDQ = kRows * D * 4;
   static constexpr int kBar = kDQS + (kBulkDQ ? kTileDQ : 0), kBytes = kBar + 16 + 1024;
-  static_assert(kRows == kDqTileRows, "dQ's tiles (dq_tile_offset) are one step of queries");
+  static_assert(kRows == kDqTileRows, "dQ's tiles (dq_tile_slot) are one step of queries");
   static_assert(!kSupported || kBytes + 1024 <= 196 * 1024,
                 "the 196 KB carve-out, with the 1 KB the system reserves");
 };

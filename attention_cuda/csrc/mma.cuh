@@ -113,15 +113,17 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x on the SFU; ex2(-inf) = 
 }
 
 // The Hopper backward's dQ sums come in tiles of kDqTileRows (64) query rows x D, each laid out as its
-// two warpgroups hold them ([warpgroup][column tile n][thread][4], the m64 accumulator's registers),
-// so that a step's tile goes to shared memory with conflict-free 16-byte stores and to global memory
-// with one bulk reduce per warpgroup. Offset of (row t, column c) from the head's first tile:
-__host__ __device__ __forceinline__ int64_t dq_tile_offset(int t, int c, int D) {
+// two warpgroups hold them ([column tile of 8][thread][4], the m64 accumulator's registers; warpgroup
+// wg's column tiles are the D / 16 from wg D / 16), so that a step's tile goes to shared memory with
+// conflict-free 16-byte stores and to global memory with one bulk reduce per warpgroup. A tile's 16-byte
+// slot k holds rows `row` and row + 8 at columns `col` and col + 1, in that order:
+struct DqSlot {
+  int row, col;
+};
+__host__ __device__ __forceinline__ DqSlot dq_tile_slot(int k) {
   static_assert(kDqTileRows == 64, "four warps of 16 rows");
-  const int half = D / 2, r = t % kDqTileRows, wg = c / half, cc = c % half;
-  const int thread = r / 16 * 32 + r % 8 * 4 + cc % 8 / 2, e = r / 8 % 2 * 2 + cc % 2;
-  const int64_t tile = static_cast<int64_t>(t / kDqTileRows) * kDqTileRows * D;
-  return tile + ((wg * (half / 8) + cc / 8) * 128 + thread) * 4 + e;
+  const int thread = k % 128;
+  return {thread / 32 * 16 + thread % 32 / 4, k / 128 * 8 + thread % 4 * 2};
 }
 // A head's rows in that layout: I rounded up to whole tiles.
 __host__ __device__ __forceinline__ int dq_tiled_rows(int I) {

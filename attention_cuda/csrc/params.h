@@ -33,7 +33,7 @@ inline int section_heads(int heads, int64_t head_bytes) {
 }
 
 constexpr float kNormEps = 1e-12f;  // same clamp as torch.nn.functional.normalize
-// Query rows per tile of dq_accum in the Hopper backward's layout (dq_tile_offset, mma.cuh).
+// Query rows per tile of dq_accum in the Hopper backward's layout (dq_tile_slot, mma.cuh).
 constexpr int kDqTileRows = 64;
 
 struct Params {
@@ -144,7 +144,7 @@ cudaError_t run_row_rnorm(Dtype dtype, const void* x, int64_t sb, int64_t sh, in
 // delta = rowsum(dO * O) (0 when not normalising), into p.delta.
 cudaError_t run_delta(Dtype dtype, const Params& p, int D, cudaStream_t stream);
 // dq = c (U - rq^2 (q.U) q) from U = p.dq_accum (or c U without qk norm), into p.dq; U in rows, or in the
-// Hopper backward's tiles (`tiles`, dq_tile_offset). Each backward runs it after its kernel.
+// Hopper backward's tiles (`tiles`, dq_tile_slot). Each backward runs it after its kernel.
 cudaError_t run_dq_finalize(Dtype dtype, const Params& p, int D, bool tiles, cudaStream_t stream);
 // Size of dq_accum (fp32 elements) for either backward's layout: rows plus the scratch row that takes
 // the Hopper backward's atomics for rows past I (so that they need no branch), or whole 64-row tiles.
