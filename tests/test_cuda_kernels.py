@@ -210,6 +210,22 @@ def test_layouts_give_the_same_bits():
     assert torch.equal(shared, cosine_sim_attention(q, k[:, :1], v[:, :1], backend="cuda"))
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_upstream_gradient_at_any_offset(d):
+    """An upstream gradient that is a view one element into its storage (rows not 16-byte aligned, which
+    the kernels' 16-byte loads need): the same gradients as its aligned copy (dQ, summed by atomics in
+    any order, to its rounding)."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(2, 4, 150, d, generator=g, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    out = cosine_sim_attention(q, k, v, causal=True, backend="cuda")
+    dout = torch.randn(out.numel() + 1, generator=g, device="cuda", dtype=out.dtype)[1:].view_as(out)
+    got = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    want = torch.autograd.grad(out, (q, k, v), dout.clone())
+    torch.testing.assert_close(got[0], want[0], rtol=2**-7, atol=1e-3 * want[0].abs().max().item())
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
 @pytest.mark.parametrize("portable", [True, False], ids=["mma_sync", "wgmma"])
 def test_causal_sections_of_heads(monkeypatch, portable):
     """Long causal grids run in sections of a few heads (score.cuh's block_slot; at n16384 d128 bf16:

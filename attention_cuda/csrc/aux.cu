@@ -1,8 +1,8 @@
 // Row-wise passes around the attention kernels: 1/|row| of q and k, delta = rowsum(dO * O) for the
-// backward, the dQ epilogue, and the linear form's layouts in and out of its chunk-major rows. Each warp owns kRowsPerWarp rows at a time and issues the loads of
-// all of them (two elements per lane per row and step) before it reduces any. The grid is (batch x
-// head, row blocks), rows striding past the grid's 65535-block height, so no thread divides a 64-bit
-// row index (bench/NOTES.md, run 9, has their times).
+// backward, the dQ epilogue, and the linear form's layouts in and out of its chunk-major rows. Each warp
+// owns kRowsPerWarp rows at a time and issues the loads of all of them before it reduces any. The grid
+// is (batch x head, row blocks), rows striding past the grid's 65535-block height, so no thread divides
+// a 64-bit row index (bench/NOTES.md, run 9, has their times).
 #include "mma.cuh"
 #include "params.h"
 
@@ -26,15 +26,6 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// Element pair d of rows t0 .. t0 + kRowsPerWarp - 1 of a tensor with rows `pitch` elements apart, all
-// loads issued before any is used. Rows from n on read row n - 1 instead (callers drop them): loads
-// under a per-row `if` stayed in program order in ptxas's schedule, one in flight per warp (~0.7 TB/s).
-template <class T>
-__device__ __forceinline__ void load_rows(float2 (&v)[kRowsPerWarp], const T* x, int64_t pitch, int t0, int n, int d) {
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) v[r] = ldg_pair(x + min(t0 + r, n - 1) * pitch + d);
-}
-
 // f(t0) for the groups of kRowsPerWarp rows t0 .. t0 + kRowsPerWarp - 1 (some may be >= n) of this
 // block's (batch, head) that this warp owns.
 template <class F>
@@ -43,123 +34,189 @@ __device__ __forceinline__ void for_each_row_group(int n, F&& f) {
     f(t0);
 }
 
-template <class T>
+// V consecutive elements of a row as floats and back, in accesses of min(16, V * sizeof(T)) bytes (the
+// address aligned to that).
+template <int V, class T>
+__device__ __forceinline__ void ldg_vec(float (&f)[V], const T* x) {
+  constexpr int kWords = V * static_cast<int>(sizeof(T)) / 4, kChunk = kWords < 4 ? kWords : 4;
+  static_assert(kChunk == 2 || kChunk == 4, "8- or 16-byte accesses");
+  uint32_t w[kWords];
+#pragma unroll
+  for (int c = 0; c < kWords; c += kChunk) {
+    if constexpr (kChunk == 4) {
+      const uint4 v = reinterpret_cast<const uint4*>(x)[c / 4];
+      w[c] = v.x, w[c + 1] = v.y, w[c + 2] = v.z, w[c + 3] = v.w;
+    } else {
+      const uint2 v = reinterpret_cast<const uint2*>(x)[c / 2];
+      w[c] = v.x, w[c + 1] = v.y;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) {
+    if constexpr (sizeof(T) == 2) {
+      const float2 h = Elem<T>::unpack(w[i]);
+      f[2 * i] = h.x, f[2 * i + 1] = h.y;
+    } else {
+      f[i] = __uint_as_float(w[i]);
+    }
+  }
+}
+template <int V, class T>
+__device__ __forceinline__ void stg_vec(T* x, const float (&f)[V]) {
+  constexpr int kWords = V * static_cast<int>(sizeof(T)) / 4, kChunk = kWords < 4 ? kWords : 4;
+  static_assert(kChunk == 2 || kChunk == 4, "8- or 16-byte accesses");
+  uint32_t w[kWords];
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) {
+    if constexpr (sizeof(T) == 2) {
+      w[i] = Elem<T>::pack(f[2 * i], f[2 * i + 1]);
+    } else {
+      w[i] = __float_as_uint(f[i]);
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < kWords; c += kChunk) {
+    if constexpr (kChunk == 4) {
+      reinterpret_cast<uint4*>(x)[c / 4] = make_uint4(w[c], w[c + 1], w[c + 2], w[c + 3]);
+    } else {
+      reinterpret_cast<uint2*>(x)[c / 2] = make_uint2(w[c], w[c + 1]);
+    }
+  }
+}
+
+// The attention ops' row passes read whole rows in 16-byte accesses: L lanes per row, kVec elements
+// each, so one load covers 32 / L rows and a lane holds kJ of its warp's kRowsPerWarp. L is the fewest
+// lanes whose slices cover D, at least 4 so that a group is whole loads (with_row_lanes). Every row
+// start is 16-byte aligned (the op's rows_aligned, or its own outputs). Rows past the end read the
+// last row instead (callers drop them): loads under a per-row `if` stayed in program order in ptxas's
+// schedule, one in flight per warp. Two elements per lane and load, they ran at 1.6-2.4 TB/s (H200;
+// bench/NOTES.md runs 29-30).
+constexpr int kVec = 8;
+template <int L>
+struct RowSlice {
+  static constexpr int kRows = 32 / L, kJ = kRowsPerWarp / kRows;
+  int r, col;  // the lane's first row in a group and its first column
+  __device__ RowSlice() : r(lane_id() / L), col(lane_id() % L * kVec) {}
+  __device__ int row(int t0, int j) const { return t0 + r + j * kRows; }
+  __device__ bool leader() const { return lane_id() % L == 0; }
+  __device__ static float sum(float x) {  // over the row's lanes
+#pragma unroll
+    for (int o = L / 2; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+  }
+};
+
+template <class F>
+cudaError_t with_row_lanes(int D, F&& f) {
+  if (D <= 4 * kVec) return f(std::integral_constant<int, 4>{});
+  if (D <= 8 * kVec) return f(std::integral_constant<int, 8>{});
+  if (D <= 16 * kVec) return f(std::integral_constant<int, 16>{});
+  return cudaErrorInvalidValue;  // past the head dims that setup.py compiles
+}
+
+template <class T, int L>
 __global__ void row_rnorm_kernel(const T* x, int64_t sb, int64_t sh, int64_t si, int H, int N, int D, int n_pad,
                                  float* out) {
-  const int bh = blockIdx.x, lane = threadIdx.x % 32;
+  using S = RowSlice<L>;
+  const int bh = blockIdx.x;
   const T* head = x + (bh / H) * sb + (bh % H) * sh;
+  const S s;
   for_each_row_group(n_pad, [&](int t0) {
-    float ss[kRowsPerWarp] = {};
-    for (int d = 2 * lane; d < D; d += 64) {
-      float2 v[kRowsPerWarp];
-      load_rows(v, head, si, t0, N, d);
+    float v[S::kJ][kVec] = {};
+    if (s.col < D) {
 #pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) ss[r] += v[r].x * v[r].x + v[r].y * v[r].y;
+      for (int j = 0; j < S::kJ; ++j) ldg_vec(v[j], head + min(s.row(t0, j), N - 1) * si + s.col);
     }
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      const float sum = warp_sum(ss[r]);
-      const int i = t0 + r;
-      if (lane == 0 && i < n_pad)
-        out[static_cast<int64_t>(bh) * n_pad + i] = i < N ? 1.f / fmaxf(sqrtf(sum), kNormEps) : 0.f;
+    for (int j = 0; j < S::kJ; ++j) {
+      float ss = 0.f;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) ss += v[j][e] * v[j][e];
+      ss = S::sum(ss);
+      const int i = s.row(t0, j);
+      if (s.leader() && i < n_pad)
+        out[static_cast<int64_t>(bh) * n_pad + i] = i < N ? 1.f / fmaxf(sqrtf(ss), kNormEps) : 0.f;
     }
   });
 }
 
-template <class T>
+template <class T, int L>
 __global__ void delta_kernel(const Params p, int D) {
-  const int bh = blockIdx.x, lane = threadIdx.x % 32;
+  using S = RowSlice<L>;
+  const int bh = blockIdx.x;
   const T* o = static_cast<const T*>(p.o) + static_cast<int64_t>(bh) * p.I * D;
   const T* dout = static_cast<const T*>(p.dout) + static_cast<int64_t>(bh) * p.I * D;
+  const S s;
   for_each_row_group(p.i_pad, [&](int t0) {
-    float acc[kRowsPerWarp] = {};
-    if (p.normalize) {
-      // dO as the tensor cores see it in dP = dO V^T (TF32 for fp32 inputs), so that delta and
-      // rowsum(P * dP) cancel as exactly as they do in the math.
-      for (int d = 2 * lane; d < D; d += 64) {
-        float2 a[kRowsPerWarp], b[kRowsPerWarp];
-        load_rows(a, o, D, t0, p.I, d);
-        load_rows(b, dout, D, t0, p.I, d);
+    float a[S::kJ][kVec] = {}, b[S::kJ][kVec] = {};
+    if (p.normalize && s.col < D) {
 #pragma unroll
-        for (int r = 0; r < kRowsPerWarp; ++r) {
-          const float2 rb = round_for_mma<T>(b[r]);
-          acc[r] += a[r].x * rb.x + a[r].y * rb.y;
-        }
+      for (int j = 0; j < S::kJ; ++j) {
+        const int64_t at = static_cast<int64_t>(min(s.row(t0, j), p.I - 1)) * D + s.col;
+        ldg_vec(a[j], o + at);
+        ldg_vec(b[j], dout + at);
       }
     }
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      const float sum = warp_sum(acc[r]);
-      if (lane == 0 && t0 + r < p.i_pad)
-        p.delta[static_cast<int64_t>(bh) * p.i_pad + t0 + r] = t0 + r < p.I ? sum : 0.f;
+    for (int j = 0; j < S::kJ; ++j) {
+      float acc = 0.f;
+#pragma unroll
+      for (int e = 0; e < kVec; e += 2) {
+        // dO as the tensor cores see it in dP = dO V^T (TF32 for fp32 inputs), so that delta and
+        // rowsum(P * dP) cancel as exactly as they do in the math.
+        const float2 rb = round_for_mma<T>(make_float2(b[j][e], b[j][e + 1]));
+        acc += a[j][e] * rb.x + a[j][e + 1] * rb.y;
+      }
+      acc = S::sum(acc);
+      const int i = s.row(t0, j);
+      if (s.leader() && i < p.i_pad) p.delta[static_cast<int64_t>(bh) * p.i_pad + i] = i < p.I ? acc : 0.f;
     }
   });
 }
 
 // dq = c (U - rq^2 (q.U) q) from the fp32 accumulator U, unless |q| <= eps (then the normalisation is
 // linear): the row-major U of the mma.sync backward and the d64 Hopper one.
-template <class T>
+template <class T, int L>
 __global__ void dq_finalize_kernel(const Params p, int D) {
-  const int bh = blockIdx.x, lane = threadIdx.x % 32;
+  using S = RowSlice<L>;
+  const int bh = blockIdx.x;
   const T* q = static_cast<const T*>(p.q) + (bh / p.H) * p.q_sb + (bh % p.H) * p.q_sh;
   const float* u = p.dq_accum + static_cast<int64_t>(bh) * p.I * D;
   T* dq = static_cast<T*>(p.dq) + static_cast<int64_t>(bh) * p.I * D;
+  const S s;
   for_each_row_group(p.I, [&](int t0) {
-    float proj[kRowsPerWarp] = {};
-    if (p.rq) {
-      for (int d = 2 * lane; d < D; d += 64) {
-        float2 a[kRowsPerWarp], b[kRowsPerWarp];
-        load_rows(a, q, p.q_si, t0, p.I, d);
-        load_rows(b, u, D, t0, p.I, d);
+    float a[S::kJ][kVec] = {}, b[S::kJ][kVec] = {}, rq[S::kJ] = {};
 #pragma unroll
-        for (int r = 0; r < kRowsPerWarp; ++r) proj[r] += a[r].x * b[r].x + a[r].y * b[r].y;
+    for (int j = 0; j < S::kJ; ++j) {
+      const int t = min(s.row(t0, j), p.I - 1);
+      if (s.col < D) {
+        if (p.rq) ldg_vec(a[j], q + t * p.q_si + s.col);
+        ldg_vec(b[j], u + static_cast<int64_t>(t) * D + s.col);
       }
-#pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) {
-        const float rq = t0 + r < p.I ? p.rq[static_cast<int64_t>(bh) * p.i_pad + t0 + r] : 0.f;
-        proj[r] = warp_sum(proj[r]);
-        proj[r] = rq < 1.f / kNormEps ? rq * rq * proj[r] : 0.f;
-      }
+      if (p.rq) rq[j] = p.rq[static_cast<int64_t>(bh) * p.i_pad + t];
     }
-    for (int d = 2 * lane; d < D; d += 64) {
-      float2 a[kRowsPerWarp] = {}, b[kRowsPerWarp];
-      if (p.rq) load_rows(a, q, p.q_si, t0, p.I, d);
-      load_rows(b, u, D, t0, p.I, d);
 #pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) {
-        if (t0 + r < p.I)
-          stg_pair(dq + static_cast<int64_t>(t0 + r) * D + d, p.grad_scale * (b[r].x - proj[r] * a[r].x),
-                   p.grad_scale * (b[r].y - proj[r] * a[r].y));
+    for (int j = 0; j < S::kJ; ++j) {
+      float proj = 0.f;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) proj += a[j][e] * b[j][e];
+      proj = S::sum(proj);
+      proj = rq[j] < 1.f / kNormEps ? rq[j] * rq[j] * proj : 0.f;
+      const int t = s.row(t0, j);
+      if (s.col < D && t < p.I) {
+        float out[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) out[e] = p.grad_scale * (b[j][e] - proj * a[j][e]);
+        stg_vec(dq + static_cast<int64_t>(t) * D + s.col, out);
       }
     }
   });
 }
 
-// Four consecutive elements of a row, as floats and back: one 8-byte (16-bit T) or 16-byte access.
-template <class T>
-__device__ __forceinline__ float4 ldg4(const T* x) {
-  if constexpr (sizeof(T) == 2) {
-    const uint2 w = *reinterpret_cast<const uint2*>(x);
-    const float2 lo = Elem<T>::unpack(w.x), hi = Elem<T>::unpack(w.y);
-    return make_float4(lo.x, lo.y, hi.x, hi.y);
-  } else {
-    return *reinterpret_cast<const float4*>(x);
-  }
-}
-template <class T>
-__device__ __forceinline__ void stg4(T* x, float4 v) {
-  if constexpr (sizeof(T) == 2) {
-    *reinterpret_cast<uint2*>(x) = make_uint2(Elem<T>::pack(v.x, v.y), Elem<T>::pack(v.z, v.w));
-  } else {
-    *reinterpret_cast<float4*>(x) = v;
-  }
-}
-
 // The same epilogue for the d128 Hopper backward's tiles (dq_tile_slot): one block per 64-row tile,
 // read whole with 16-byte loads and turned row-major in shared memory, then 8 rows per warp, 4
-// columns per lane. Row by row through load_rows each 8-byte read used half of its sectors: 0.34 ms
-// at b1 h32 16384 (H200), ~1.6 TB/s. Four elements of q per lane need 8-byte aligned rows, which the
-// backward's TMA descriptors of q already require (16 bytes).
+// columns per lane. Read row by row, each 8-byte read used half of its sectors: 0.34 ms at b1 h32
+// 16384 (H200), ~1.6 TB/s.
 template <class T, int D>
 __global__ void __launch_bounds__(kWarps * 32) dq_finalize_tiles_kernel(const Params p) {
   static_assert(kWarps * kRowsPerWarp == kDqTileRows && D % 8 == 0 && 32 % (D / 4) == 0, "a tile per block");
@@ -177,13 +234,12 @@ __global__ void __launch_bounds__(kWarps * 32) dq_finalize_tiles_kernel(const Pa
   // This warp's rows of q and rq, loading while U's arrive.
   const int lane = threadIdx.x % 32, col = lane % kLanes * 4, r0 = threadIdx.x / 32 * kRowsPerWarp + lane / kLanes;
   const T* q = static_cast<const T*>(p.q) + (bh / p.H) * p.q_sb + (bh % p.H) * p.q_sh;
-  float4 a[kSteps] = {};
-  float rq[kSteps] = {};
+  float a[kSteps][4] = {}, rq[kSteps] = {};
   if (p.rq) {
 #pragma unroll
     for (int j = 0; j < kSteps; ++j) {
       const int t = t0 + r0 + j * kRowsPerLoad;
-      a[j] = ldg4(q + min(t, p.I - 1) * p.q_si + col);
+      ldg_vec(a[j], q + min(t, p.I - 1) * p.q_si + col);
       rq[j] = p.rq[static_cast<int64_t>(bh) * p.i_pad + min(t, p.i_pad - 1)];
     }
   }
@@ -198,15 +254,18 @@ __global__ void __launch_bounds__(kWarps * 32) dq_finalize_tiles_kernel(const Pa
 #pragma unroll
   for (int j = 0; j < kSteps; ++j) {
     const int r = r0 + j * kRowsPerLoad, t = t0 + r;
-    const float4 b = *reinterpret_cast<const float4*>(&su[r * kPitch + col]);
-    float proj = a[j].x * b.x + a[j].y * b.y + a[j].z * b.z + a[j].w * b.w;
+    const float4 b4 = *reinterpret_cast<const float4*>(&su[r * kPitch + col]);
+    const float b[4] = {b4.x, b4.y, b4.z, b4.w};
+    float proj = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) proj += a[j][e] * b[e];
 #pragma unroll
     for (int o = kLanes / 2; o > 0; o /= 2) proj += __shfl_xor_sync(0xffffffffu, proj, o);
     proj = rq[j] < 1.f / kNormEps ? rq[j] * rq[j] * proj : 0.f;
-    const float c = p.grad_scale;
-    if (t < p.I)
-      stg4(dq + static_cast<int64_t>(t) * D + col, make_float4(c * (b.x - proj * a[j].x), c * (b.y - proj * a[j].y),
-                                                               c * (b.z - proj * a[j].z), c * (b.w - proj * a[j].w)));
+    float out[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) out[e] = p.grad_scale * (b[e] - proj * a[j][e]);
+    if (t < p.I) stg_vec(dq + static_cast<int64_t>(t) * D + col, out);
   }
 }
 
@@ -444,17 +503,21 @@ cudaError_t run_row_rnorm(Dtype dtype, const void* x, int64_t sb, int64_t sh, in
   if (B * H == 0 || n_pad == 0) return cudaSuccess;
   return by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    row_rnorm_kernel<T><<<row_grid(B * H, n_pad), kWarps * 32, 0, stream>>>(static_cast<const T*>(x), sb, sh,
-                                                                                   si, H, N, D, n_pad, out);
-    return cudaGetLastError();
+    return with_row_lanes(D, [&](auto lanes) {
+      row_rnorm_kernel<T, lanes><<<row_grid(B * H, n_pad), kWarps * 32, 0, stream>>>(static_cast<const T*>(x), sb,
+                                                                                     sh, si, H, N, D, n_pad, out);
+      return cudaGetLastError();
+    });
   });
 }
 
 cudaError_t run_delta(Dtype dtype, const Params& p, int D, cudaStream_t stream) {
   if (p.B * p.H == 0 || p.i_pad == 0) return cudaSuccess;
   return by_dtype(dtype, [&](auto tag) {
-    delta_kernel<decltype(tag)><<<row_grid(p.B * p.H, p.i_pad), kWarps * 32, 0, stream>>>(p, D);
-    return cudaGetLastError();
+    return with_row_lanes(D, [&](auto lanes) {
+      delta_kernel<decltype(tag), lanes><<<row_grid(p.B * p.H, p.i_pad), kWarps * 32, 0, stream>>>(p, D);
+      return cudaGetLastError();
+    });
   });
 }
 
@@ -467,11 +530,14 @@ cudaError_t run_dq_finalize(Dtype dtype, const Params& p, int D, bool tiles, cud
   if (tiles && D != 128) return cudaErrorInvalidValue;  // the tiles are the d128 Hopper backward's
   return by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    if (tiles)
+    if (tiles) {
       dq_finalize_tiles_kernel<T, 128><<<p.B * p.H * (dq_tiled_rows(p.I) / kDqTileRows), kWarps * 32, 0, stream>>>(p);
-    else
-      dq_finalize_kernel<T><<<row_grid(p.B * p.H, p.I), kWarps * 32, 0, stream>>>(p, D);
-    return cudaGetLastError();
+      return cudaGetLastError();
+    }
+    return with_row_lanes(D, [&](auto lanes) {
+      dq_finalize_kernel<T, lanes><<<row_grid(p.B * p.H, p.I), kWarps * 32, 0, stream>>>(p, D);
+      return cudaGetLastError();
+    });
   });
 }
 

@@ -235,7 +235,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_bwd(const Tensor& dout, const Te
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const Policy pol = make_policy(kind, scale, qk_norm, normalize, bias.has_value(), q.scalar_type());
   attn::Params p = make_params(c, pol, causal, normalize, a0, a1, a2);
-  const Tensor dout_c = dout.contiguous(), out_c = out.contiguous(), stat_c = stat.contiguous();
+  // Contiguous, and 16-byte aligned like q, k, v: an upstream gradient can be a view at any offset.
+  const Tensor dout_c = rows_aligned(dout.contiguous()), out_c = rows_aligned(out.contiguous());
+  const Tensor stat_c = rows_aligned(stat.contiguous());
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor delta = at::empty({c.B, c.H, p.i_pad}, f32);
   Tensor dq_accum = at::zeros({attn::dq_accum_size(c.B, c.H, c.I, c.D)}, f32);
