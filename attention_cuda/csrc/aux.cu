@@ -20,9 +20,11 @@ __device__ __forceinline__ float2 ldg_pair(const T* p) {
   }
 }
 
-__device__ __forceinline__ float warp_sum(float x) {
+// The sum over each group of L adjacent lanes (a power of two), in every lane of the group.
+template <int L>
+__device__ __forceinline__ float lanes_sum(float x) {
 #pragma unroll
-  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  for (int o = L / 2; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
 
@@ -99,11 +101,6 @@ struct RowSlice {
   __device__ RowSlice() : r(lane_id() / L), col(lane_id() % L * kVec) {}
   __device__ int row(int t0, int j) const { return t0 + r + j * kRows; }
   __device__ bool leader() const { return lane_id() % L == 0; }
-  __device__ static float sum(float x) {  // over the row's lanes
-#pragma unroll
-    for (int o = L / 2; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-  }
 };
 
 template <class F>
@@ -132,7 +129,7 @@ __global__ void row_rnorm_kernel(const T* x, int64_t sb, int64_t sh, int64_t si,
       float ss = 0.f;
 #pragma unroll
       for (int e = 0; e < kVec; ++e) ss += v[j][e] * v[j][e];
-      ss = S::sum(ss);
+      ss = lanes_sum<L>(ss);
       const int i = s.row(t0, j);
       if (s.leader() && i < n_pad)
         out[static_cast<int64_t>(bh) * n_pad + i] = i < N ? 1.f / fmaxf(sqrtf(ss), kNormEps) : 0.f;
@@ -167,7 +164,7 @@ __global__ void delta_kernel(const Params p, int D) {
         const float2 rb = round_for_mma<T>(make_float2(b[j][e], b[j][e + 1]));
         acc += a[j][e] * rb.x + a[j][e + 1] * rb.y;
       }
-      acc = S::sum(acc);
+      acc = lanes_sum<L>(acc);
       const int i = s.row(t0, j);
       if (s.leader() && i < p.i_pad) p.delta[static_cast<int64_t>(bh) * p.i_pad + i] = i < p.I ? acc : 0.f;
     }
@@ -200,7 +197,7 @@ __global__ void dq_finalize_kernel(const Params p, int D) {
       float proj = 0.f;
 #pragma unroll
       for (int e = 0; e < kVec; ++e) proj += a[j][e] * b[j][e];
-      proj = S::sum(proj);
+      proj = lanes_sum<L>(proj);
       proj = rq[j] < 1.f / kNormEps ? rq[j] * rq[j] * proj : 0.f;
       const int t = s.row(t0, j);
       if (s.col < D && t < p.I) {
@@ -259,8 +256,7 @@ __global__ void __launch_bounds__(kWarps * 32) dq_finalize_tiles_kernel(const Pa
     float proj = 0.f;
 #pragma unroll
     for (int e = 0; e < 4; ++e) proj += a[j][e] * b[e];
-#pragma unroll
-    for (int o = kLanes / 2; o > 0; o /= 2) proj += __shfl_xor_sync(0xffffffffu, proj, o);
+    proj = lanes_sum<kLanes>(proj);
     proj = rq[j] < 1.f / kNormEps ? rq[j] * rq[j] * proj : 0.f;
     float out[4];
 #pragma unroll
@@ -407,7 +403,7 @@ __global__ void lin_delta_kernel(const T* dout, const T* out, const float* inv_l
     for (int r = 0; r < kRowsPerWarp; ++r) {
       const int i = t0 + r - shift;
       const bool real = i >= 0 && i < n && t0 + r < n_pad;
-      const float dl = real ? warp_sum(dot[r]) : 0.f;
+      const float dl = real ? lanes_sum<32>(dot[r]) : 0.f;
       const int64_t row = chunk_row(b, h, H, n_pad, L, min(t0 + r, n_pad - 1));
       if (real) top = fmaxf(top, inv_l[row] * fmaxf(warp_max(big[r]), fabsf(dl)));
       if (lane == 0 && t0 + r < n_pad) delta[row] = dl;
