@@ -144,9 +144,10 @@ def attention(q, k, v, mask, bias, causal: bool, policy: ScorePolicy) -> torch.T
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, bias, causal, kind, scale, qk_norm, a0, a1, a2, normalize):
-        out, stat, rq, rk = torch.ops.attn_cuda.fwd(q, k, v, mask, bias, causal, kind, scale, qk_norm,
-                                                    a0, a1, a2, normalize)
-        ctx.save_for_backward(q, k, v, mask, bias, out, stat, rq, rk)
+        out, stat, rq, rk, kn = torch.ops.attn_cuda.fwd(q, k, v, mask, bias, causal, kind, scale, qk_norm,
+                                                        a0, a1, a2, normalize)
+        # Under the qk norm the kernels read the unit keys kn (k / |k| in k's dtype), the backward too.
+        ctx.save_for_backward(q, kn if qk_norm is not None else k, v, mask, bias, out, stat, rq, rk)
         ctx.args = (causal, kind, scale, qk_norm, a0, a1, a2, normalize)
         return out
 
@@ -368,7 +369,8 @@ def _register_fakes() -> None:
         norms = qk_norm is not None
         return (q.new_empty((b, h, i, d)), torch.empty((b, h, _pad4(i)), **f32),
                 torch.empty((b, h, _pad4(i)) if norms else (0,), **f32),
-                torch.empty((b, k.shape[1], _pad4(k.shape[2])) if norms else (0,), **f32))
+                torch.empty((b, k.shape[1], _pad4(k.shape[2])) if norms else (0,), **f32),
+                k.new_empty(k.shape if norms else (0,)))
 
     @torch.library.register_fake("attn_cuda::linear")
     def _linear(ux, uw, rx, rg, upd_heads, rd_heads, causal, reverse, second, cu, cr, r1_tiles, want_r2):

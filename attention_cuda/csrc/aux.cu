@@ -113,7 +113,7 @@ cudaError_t with_row_lanes(int D, F&& f) {
 
 template <class T, int L>
 __global__ void row_rnorm_kernel(const T* x, int64_t sb, int64_t sh, int64_t si, int H, int N, int D, int n_pad,
-                                 float* out) {
+                                 float* out, T* unit) {
   using S = RowSlice<L>;
   const int bh = blockIdx.x;
   const T* head = x + (bh / H) * sb + (bh % H) * sh;
@@ -131,8 +131,13 @@ __global__ void row_rnorm_kernel(const T* x, int64_t sb, int64_t sh, int64_t si,
       for (int e = 0; e < kVec; ++e) ss += v[j][e] * v[j][e];
       ss = lanes_sum<L>(ss);
       const int i = s.row(t0, j);
-      if (s.leader() && i < n_pad)
-        out[static_cast<int64_t>(bh) * n_pad + i] = i < N ? 1.f / fmaxf(sqrtf(ss), kNormEps) : 0.f;
+      const float r = 1.f / fmaxf(sqrtf(ss), kNormEps);
+      if (s.leader() && i < n_pad) out[static_cast<int64_t>(bh) * n_pad + i] = i < N ? r : 0.f;
+      if (i < N && s.col < D) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v[j][e] *= r;
+        stg_vec(unit + (static_cast<int64_t>(bh) * N + i) * D + s.col, v[j]);
+      }
     }
   });
 }
@@ -495,13 +500,13 @@ cudaError_t by_half_dtype(Dtype dtype, F&& f) {
 }  // namespace
 
 cudaError_t run_row_rnorm(Dtype dtype, const void* x, int64_t sb, int64_t sh, int64_t si, int B, int H, int N,
-                          int D, int n_pad, float* out, cudaStream_t stream) {
+                          int D, int n_pad, float* out, void* unit, cudaStream_t stream) {
   if (B * H == 0 || n_pad == 0) return cudaSuccess;
   return by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     return with_row_lanes(D, [&](auto lanes) {
-      row_rnorm_kernel<T, lanes><<<row_grid(B * H, n_pad), kWarps * 32, 0, stream>>>(static_cast<const T*>(x), sb,
-                                                                                     sh, si, H, N, D, n_pad, out);
+      row_rnorm_kernel<T, lanes><<<row_grid(B * H, n_pad), kWarps * 32, 0, stream>>>(
+          static_cast<const T*>(x), sb, sh, si, H, N, D, n_pad, out, static_cast<T*>(unit));
       return cudaGetLastError();
     });
   });

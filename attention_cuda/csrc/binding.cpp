@@ -185,7 +185,7 @@ attn::Params make_params(const Call& c, const Policy& pol, bool causal, bool nor
   return p;
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> attn_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                                     const optional<Tensor>& mask, const optional<Tensor>& bias,
                                                     bool causal, c10::string_view kind, double scale,
                                                     optional<double> qk_norm, double a0, double a1, double a2,
@@ -198,22 +198,29 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_fwd(const Tensor& q, const Tenso
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor out = at::empty({c.B, c.H, c.I, c.D}, q.options());
   Tensor stat = at::empty({c.B, c.H, p.i_pad}, f32);
-  Tensor rq = at::empty({0}, f32), rk = at::empty({0}, f32);  // stay empty without qk norm
+  // Stay empty without qk norm.
+  Tensor rq = at::empty({0}, f32), rk = at::empty({0}, f32), kn = at::empty({0}, q.options());
   if (qk_norm) {
-    // 1/|q| comes from the forward's own Q tiles; 1/|k| from a row pass, as every query block needs all
-    // of it before its first tile.
+    // 1/|q| comes from the forward's own Q tiles. The keys are normalised once, by a row pass, into
+    // unit rows kn in the inputs' dtype (as SDPA users and the reference normalise them), which the
+    // kernels then read as K: a logit's scale is its query's alone, one FMA per weight rather than an
+    // FMUL and an FMA, and no query block reads 1/|k| with its tiles. rk stays for dK's epilogue. The
+    // backward takes kn as its k.
     rq = at::empty({c.B, c.H, p.i_pad}, f32), rk = at::empty({c.B, c.Hkv, p.j_pad}, f32);
+    kn = at::empty({c.B, c.Hkv, c.J, c.D}, q.options());
     check_ok(attn::run_row_rnorm(c.dtype, p.k, p.k_sb, p.k_sh, p.k_sj, c.B, c.Hkv, c.J, c.D, p.j_pad,
-                                 rk.data_ptr<float>(), stream), "k norms");
+                                 rk.data_ptr<float>(), kn.data_ptr(), stream), "k norms");
     p.rq = rq.data_ptr<float>(), p.rk = rk.data_ptr<float>();
+    p.k = kn.data_ptr(), p.k_sb = kn.stride(0), p.k_sh = kn.stride(1), p.k_sj = kn.stride(2);
   }
   p.o = out.data_ptr(), p.stat = stat.data_ptr<float>();
   // A forward block streams its kv head's K and V, which the group's adjacent query heads share.
   p.section = causal ? attn::section_heads(c.B * c.H, 2 * int64_t{c.J} * c.D * q.element_size() / p.group) : 1;
   check_ok(c.fwd(p, pol.score, stream), "forward kernel");
-  return {out, stat, rq, rk};
+  return {out, stat, rq, rk, kn};
 }
 
+// k: the keys the forward ran on, its kn under the qk norm (attn_fwd).
 std::tuple<Tensor, Tensor, Tensor, Tensor> attn_bwd(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                     const Tensor& v, const optional<Tensor>& mask,
                                                     const optional<Tensor>& bias, const Tensor& out,
@@ -516,7 +523,7 @@ std::vector<int64_t> head_dims(at::ScalarType dtype) {
 TORCH_LIBRARY(attn_cuda, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, bool causal, str kind, float scale, "
-      "float? qk_norm, float a0, float a1, float a2, bool normalize) -> (Tensor, Tensor, Tensor, Tensor)");
+      "float? qk_norm, float a0, float a1, float a2, bool normalize) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor out, Tensor stat, "
       "Tensor rq, Tensor rk, bool causal, str kind, float scale, float? qk_norm, float a0, float a1, float a2, "

@@ -36,7 +36,7 @@ struct BwdSmem {  // K | V | 2 x Q | 2 x dO | 2 x dS^T | 2 x (stat, delta, 1/|q|
 
 // What a thread needs about its two keys, key0 and key0 + 8 (rows g and g + 8 of its warp's 16).
 struct KeyRows {
-  float rk[2];     // 1/|k|, 1 without the qk norm
+  float rk[2];     // 1/|k| (for dK), 1 without the qk norm
   bool kept[2];    // inside the sequence and kept by the mask
   int first_q[2];  // the first query that may see the key under causal
   __device__ KeyRows(const Params& p, int b, int hk, const uint8_t* mask, int key0) {
@@ -65,14 +65,18 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
   constexpr int kNQ = kBr / 8;
   const int tq = lane_id() % 4;
   // Logits y with hidden pairs at -inf (the forward's visibility rules), then P and dL/dx per
-  // element. dS~ = dL/dx * dy/d(q.k) = dL/dx * alpha rq rk flows into dK and dQ. The weights repeat
-  // the forward's arithmetic: scale = (alpha rq) rk and, for a fixed shift on tiles without edges or
-  // bias, one fused exp2(s * scale - shift); elsewhere the shift comes off after the bias.
-  auto arq_pair = [&](int nq) {  // alpha/|q| of this thread's two queries in column tile nq
+  // element. With the qk norm the keys are the forward's unit rows k/|k| (attn_fwd), so dS~ = dL/dx *
+  // dy/d(q.k) = dL/dx * alpha rq flows into dK (to k/|k|, which bwd_store_dkdv takes back to k) and dQ.
+  // The weights repeat the forward's arithmetic: scale = alpha rq per query and, for a fixed shift on
+  // tiles without edges or bias, one fused exp2(s * scale - shift); elsewhere the shift comes off after
+  // the bias.
+  float2 arq[kNQ];  // alpha/|q| of this thread's two queries in each column tile
+#pragma unroll
+  for (int nq = 0; nq < kNQ; ++nq) {
     const float2 rq2 = p.rq ? *reinterpret_cast<const float2*>(v_rq + nq * 8 + 2 * tq) : make_float2(1.f, 1.f);
-    return make_float2(p.alpha * rq2.x, p.alpha * rq2.y);
-  };
-  auto scale_of = [&](float2 arq2, int e) { return ((e & 1) ? arq2.y : arq2.x) * keys.rk[e >> 1]; };
+    arq[nq] = make_float2(p.alpha * rq2.x, p.alpha * rq2.y);
+  }
+  auto scale_of = [&](int nq, int e) { return (e & 1) ? arq[nq].y : arq[nq].x; };
   auto each_score = [&](auto&& f) {  // f(nq, e) for each of the thread's scores
 #pragma unroll
     for (int nq = 0; nq < kNQ; ++nq)
@@ -81,22 +85,13 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
   };
   auto query_of = [&](int nq, int e) { return m0 + nq * 8 + 2 * tq + (e & 1); };
   constexpr bool kShift = Policy::kExp && !Policy::kRowMax;
-  constexpr bool kKeepRa = D <= 64;  // the scales per element stay in registers where they fit
   const bool edge = n0 + kBc > p.J || m0 + kBr > p.I || mask != nullptr || (p.causal && n0 + kBc - 1 > m0 + p.J - p.I);
   const T* bias = p.bias ? static_cast<const T*>(p.bias) + b * p.bias_sb + h * p.bias_sh : nullptr;
   const float fused_shift = kShift && !edge && !bias ? p.shift : 0.f;
-  float ra[kKeepRa ? kNQ : 1][4];
-#pragma unroll
-  for (int nq = 0; nq < kNQ; ++nq) {
-    const float2 arq2 = arq_pair(nq);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float r = scale_of(arq2, e);
-      if constexpr (kKeepRa) ra[nq][e] = r;
-      if constexpr (kShift) sc[nq][e] = fmaf(sc[nq][e], r, -fused_shift);  // exactly s * r when not fused
-      else sc[nq][e] *= r;
-    }
-  }
+  each_score([&](int nq, int e) {
+    if constexpr (kShift) sc[nq][e] = fmaf(sc[nq][e], scale_of(nq, e), -fused_shift);  // exactly s * r unfused
+    else sc[nq][e] *= scale_of(nq, e);
+  });
   if (edge) {
     each_score([&](int nq, int e) {
       const int t = query_of(nq, e);
@@ -162,22 +157,13 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
       if (t < p.I && s < p.J) dbias[static_cast<int64_t>(t) * p.J + s] = Elem<T>::from_float(dp[nq][e]);
     });
   }
-#pragma unroll
-  for (int nq = 0; nq < kNQ; ++nq) {
-    if constexpr (kKeepRa) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dp[nq][e] *= ra[nq][e];
-    } else {
-      const float2 arq2 = arq_pair(nq);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dp[nq][e] *= scale_of(arq2, e);
-    }
-  }
+  each_score([&](int nq, int e) { dp[nq][e] *= scale_of(nq, e); });
 }
 
-// dK = c (W - rk^2 (k.W) k) (the l2norm's backward, from the raw k rows still in shared memory; it
-// drops out when |k| <= eps, where the normalisation divides by the constant eps) and dV, for the
-// thread's keys at rows r0 and r0 + 8 of the block's key tile sK (a Tile or SwTile).
+// dK = c rk (W - (u.W) u) (the l2norm's backward, from W, the gradient to the unit rows u = k/|k| still
+// in shared memory; the projection drops out when |k| <= eps, where the normalisation divides by the
+// constant eps) and dV, for the thread's keys at rows r0 and r0 + 8 of the block's key tile sK (a Tile
+// or SwTile).
 template <class T, int D, class KTile>
 __device__ __forceinline__ void bwd_store_dkdv(const Params& p, float (&dk)[D / 8][4], float (&dv)[D / 8][4],
                                                const KTile& sK, int r0, const KeyRows& keys, int bhk, int n0) {
@@ -196,9 +182,12 @@ __device__ __forceinline__ void bwd_store_dkdv(const Params& p, float (&dk)[D / 
       }
       dot += __shfl_xor_sync(0xffffffffu, dot, 1);
       dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-      const float proj = keys.rk[hf] < 1.f / kNormEps ? keys.rk[hf] * keys.rk[hf] * dot : 0.f;
+      const float proj = keys.rk[hf] < 1.f / kNormEps ? dot : 0.f, rk = keys.rk[hf];
 #pragma unroll
-      for (int nd = 0; nd < kND; ++nd) dk[nd][2 * hf] -= proj * kv[nd].x, dk[nd][2 * hf + 1] -= proj * kv[nd].y;
+      for (int nd = 0; nd < kND; ++nd) {
+        dk[nd][2 * hf] = rk * (dk[nd][2 * hf] - proj * kv[nd].x);
+        dk[nd][2 * hf + 1] = rk * (dk[nd][2 * hf + 1] - proj * kv[nd].y);
+      }
     }
     const int s = n0 + r;
     if (s < p.J) {

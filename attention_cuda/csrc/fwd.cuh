@@ -26,34 +26,27 @@ struct FwdConfig<float, D> {  // TF32: twice the bytes per element, so smaller t
 };
 
 template <class T, int D>
-struct FwdSmem {  // Q tile | kStages x (K tile, V tile, 1/|k| of the tile's keys)
+struct FwdSmem {  // Q tile | kStages x K tile | kStages x V tile
   using C = FwdConfig<T, D>;
   static constexpr int kStages = 3, kPitch = D * sizeof(T) + 16;
   static constexpr int kQ = 0, kK = C::kRows * kPitch, kV = kK + kStages * C::kCols * kPitch;
-  static constexpr int kRk = kV + kStages * C::kCols * kPitch, kBytes = kRk + kStages * C::kCols * 4;
+  static constexpr int kBytes = kV + kStages * C::kCols * kPitch;
 };
 
 // One warp's 16*kMT query rows x 8*kNC keys of a forward step, from S = Q K^T in the m16n8 accumulator
 // layout (rows row0 + 16 mt + g (+8), keys n0 + 8 nc + 2 tq (+1)): on return s holds the weights A(y)
 // (0 where hidden), and with a running row max, mx is updated and o is rescaled to it (o's last tile
-// holds the row sums, P times a column of ones, so they are rescaled with it). rs = alpha/|q|
-// of the thread's rows, last = their last visible key, rk_tile = the tile's 1/|k| (read only with the qk
-// norm: has_rk), bias = this (batch, head)'s bias or null. The rows br0 .. br0 + kBr - 1 (the block's
+// holds the row sums, P times a column of ones, so they are rescaled with it). rs = alpha/|q| of the
+// thread's rows (the logit scale: with the qk norm the keys are unit rows already, attn_fwd), last =
+// their last visible key, bias = this (batch, head)'s bias or null. The rows br0 .. br0 + kBr - 1 (the block's
 // or warpgroup's) decide whether the tile has an edge: cuts a sequence end, the causal diagonal or a key
 // mask (otherwise every pair is visible). Shared by the mma.sync and wgmma forwards.
 template <class T, int kBr, int kMT, int kNC, int kND, class Policy>
 __device__ __forceinline__ void fwd_scores(const Params& p, const Policy& pol, float (&s)[kMT][kNC][4],
                                            float (&o)[kMT][kND][4], float (&mx)[kMT][2],
-                                           const float (&rs)[kMT][2], const int (&last)[kMT][2],
-                                           bool has_rk, const float* rk_tile, const T* bias, const uint8_t* mask,
-                                           int row0, int n0, int br0, int g, int tq) {
+                                           const float (&rs)[kMT][2], const int (&last)[kMT][2], const T* bias,
+                                           const uint8_t* mask, int row0, int n0, int br0, int g, int tq) {
   constexpr int kBc = 8 * kNC;
-  // Logit scale alpha/(|q||k|) of each element, from this thread's rows and columns.
-  float2 kr[kNC];
-#pragma unroll
-  for (int nc = 0; nc < kNC; ++nc)
-    kr[nc] = has_rk ? *reinterpret_cast<const float2*>(rk_tile + nc * 8 + 2 * tq) : make_float2(1.f, 1.f);
-  auto scale_of = [&](int mt, int nc, int e) { return rs[mt][e >> 1] * ((e & 1) ? kr[nc].y : kr[nc].x); };
   auto each_score = [&](auto&& f) {  // f(score, mt, nc, e) for each of the thread's scores
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
@@ -73,8 +66,8 @@ __device__ __forceinline__ void fwd_scores(const Params& p, const Policy& pol, f
   if constexpr (!Policy::kRowMax) {
     if (!edge && !bias) {  // the common case, fused: no hidden pair, no bias
       if constexpr (Policy::kExp) {  // A = exp2(s * scale - shift)
-        each_score([&](float& x, int mt, int nc, int e) { x = ex2(fmaf(x, scale_of(mt, nc, e), -pol.shift)); });
-      } else if (!has_rk) {
+        each_score([&](float& x, int mt, int, int e) { x = ex2(fmaf(x, rs[mt][e >> 1], -pol.shift)); });
+      } else {
         // The polynomial with one scale c per row: a0 + a1 (c s) + a2 (c s)^2 = a0 + s (a1 c + a2 c^2 s),
         // two FMAs per score with the row's coefficients.
         float b1[kMT][2], b2[kMT][2];
@@ -86,8 +79,6 @@ __device__ __forceinline__ void fwd_scores(const Params& p, const Policy& pol, f
         each_score([&](float& x, int mt, int, int e) {
           x = fmaf(x, fmaf(b2[mt][e >> 1], x, b1[mt][e >> 1]), pol.a0);
         });
-      } else {
-        each_score([&](float& x, int mt, int nc, int e) { x = pol.weight(x * scale_of(mt, nc, e)); });
       }
       fused = true;
     }
@@ -95,7 +86,7 @@ __device__ __forceinline__ void fwd_scores(const Params& p, const Policy& pol, f
   if (!fused) {
     // Logits y, with hidden pairs set to -inf. Only tiles that cut a sequence end, the causal
     // diagonal or a key mask test visibility per element; only bias loads the bias.
-    each_score([&](float& x, int mt, int nc, int e) { x *= scale_of(mt, nc, e); });
+    each_score([&](float& x, int mt, int, int e) { x *= rs[mt][e >> 1]; });
     if (edge) {
       each_score([&](float& x, int mt, int nc, int e) {
         if (!(cols >> (2 * nc + (e & 1)) & 1) || nc * 8 + 2 * tq + (e & 1) > last[mt][e >> 1] - n0) x = -INFINITY;
@@ -138,7 +129,7 @@ __device__ __forceinline__ void fwd_scores(const Params& p, const Policy& pol, f
 
 // One forward block's share of the work and the pieces both forward kernels (mma.sync here, wgmma in
 // fwd_sm90.cuh) do the same way: which (batch, head) and kBr query rows it owns, the loads of its Q tile
-// and of K/V tiles (with their keys' 1/|k|), each row's logit scale, and the epilogue.
+// and of K/V tiles, each row's logit scale, and the epilogue.
 template <class T, int D, int kBr, int kBc, int kThreads>
 struct FwdBlock {
   static constexpr int kRowBytes = D * sizeof(T);
@@ -146,7 +137,6 @@ struct FwdBlock {
   int bh, m0, n_tiles;
   const T *k, *v, *bias;
   const uint8_t* mask;
-  const float* rk;
   int64_t row_vec;  // this (batch, head)'s offset in the per-row vectors (1/|q|, stat)
 
   __device__ explicit FwdBlock(const Params& params) : p(params) {
@@ -160,7 +150,6 @@ struct FwdBlock {
     v = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh;
     bias = p.bias ? static_cast<const T*>(p.bias) + b * p.bias_sb + h * p.bias_sh : nullptr;
     mask = p.mask ? p.mask + b * p.mask_sb : nullptr;
-    rk = p.rk ? p.rk + static_cast<int64_t>(b * p.Hkv + hk) * p.j_pad : nullptr;
     row_vec = static_cast<int64_t>(bh) * p.i_pad;
     const int n_end = p.causal ? min(p.J, m0 + min(kBr, p.I - m0) + p.J - p.I) : p.J;  // keys the last row may see
     n_tiles = n_end > 0 ? cdiv(n_end, kBc) : 0;
@@ -172,15 +161,14 @@ struct FwdBlock {
     cp_tile<kBr, kRowBytes, kThreads>(sq, reinterpret_cast<const char*>(q + m0 * p.q_si), p.q_si * sizeof(T),
                                       min(kBr, p.I - m0), q);
   }
-  // K/V tile `tile` and its keys' 1/|k| (where the qk norm is on) into one stage.
+  // K/V tile `tile` into one stage.
   template <class Dst>
-  __device__ __forceinline__ void load_kv(int tile, const Dst& sk, const Dst& sv, uint32_t s_rk) const {
+  __device__ __forceinline__ void load_kv(int tile, const Dst& sk, const Dst& sv) const {
     const int n0 = tile * kBc;
     cp_tile<kBc, kRowBytes, kThreads>(sk, reinterpret_cast<const char*>(k + n0 * p.k_sj), p.k_sj * sizeof(T), p.J - n0,
                                       k);
     cp_tile<kBc, kRowBytes, kThreads>(sv, reinterpret_cast<const char*>(v + n0 * p.v_sj), p.v_sj * sizeof(T), p.J - n0,
                                       v);
-    if (rk) cp_floats<kBc>(s_rk, rk + n0, p.j_pad - n0);
   }
   // alpha/|q| (alpha without the qk norm) of this thread's rows wrow + 16 mt + g + 8 hf, from the Q tile
   // sq once it has landed, so q is read once: the four threads of a quad share a row, each summing
@@ -254,7 +242,6 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kWarps * 32) fwd_kernel(const
   extern __shared__ __align__(16) char smem[];
   const uint32_t s0 = smem_u32(smem);
   const Tile sQ{s0 + S::kQ, S::kPitch};
-  const float* s_rk = reinterpret_cast<const float*>(smem + S::kRk);
 
   const FwdBlock<T, D, kBr, kBc, kThreads> blk(p);
   const int m0 = blk.m0, n_tiles = blk.n_tiles;
@@ -264,7 +251,7 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kWarps * 32) fwd_kernel(const
   auto load_kv = [&](int tile) {
     const int stage = tile % S::kStages;
     blk.load_kv(tile, Tile{s0 + S::kK + stage * kBc * S::kPitch, S::kPitch},
-                Tile{s0 + S::kV + stage * kBc * S::kPitch, S::kPitch}, s0 + S::kRk + stage * kBc * 4);
+                Tile{s0 + S::kV + stage * kBc * S::kPitch, S::kPitch});
   };
   blk.load_q(sQ);
   if (n_tiles > 0) load_kv(0);
@@ -332,8 +319,7 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kWarps * 32) fwd_kernel(const
       }
     }
 
-    fwd_scores<T, kBr>(p, pol, s, o, mx, rs, last, blk.rk != nullptr, s_rk + stage * kBc, blk.bias, blk.mask,
-                       m0 + wrow, n0, m0, g, tq);
+    fwd_scores<T, kBr>(p, pol, s, o, mx, rs, last, blk.bias, blk.mask, m0 + wrow, n0, m0, g, tq);
 
     // O += P V and its last tile += P 1 (the row sums), 16 keys (two accumulator tiles) per k-step.
 #pragma unroll

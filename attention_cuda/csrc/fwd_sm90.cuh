@@ -36,12 +36,12 @@ struct Sm90Fwd {
   // accumulators are the row sums of P as rounded for the product, at no instruction cost per weight.
   static constexpr int kTileV = kTileKV + kCols * 64;
   // Stages: as many as fit in the 227 KB a block may have, up to 3 (2 at d128).
-  static constexpr int kMaxBytes = 227 * 1024, kStageBytes = kTileKV + kTileV + kCols * 4, kBarBytes = 256;
+  static constexpr int kMaxBytes = 227 * 1024, kStageBytes = kTileKV + kTileV, kBarBytes = 256;
   static constexpr int kFit = (kMaxBytes - 1024 - kBarBytes - kTileQ) / kStageBytes, kStages = kFit < 3 ? kFit : 3;
-  // Q | kStages x K | kStages x (V, ones) | kStages x 1/|k| | mbarriers, every tile 1024-byte aligned
-  // (the swizzle pattern's period), plus the slack to align the dynamic shared memory's start.
-  static constexpr int kQ = 0, kK = kTileQ, kV = kK + kStages * kTileKV, kRk = kV + kStages * kTileV;
-  static constexpr int kBar = kRk + kStages * kCols * 4, kBytes = kBar + kBarBytes + 1024;
+  // Q | kStages x K | kStages x (V, ones) | mbarriers, every tile 1024-byte aligned (the swizzle
+  // pattern's period), plus the slack to align the dynamic shared memory's start.
+  static constexpr int kQ = 0, kK = kTileQ, kV = kK + kStages * kTileKV;
+  static constexpr int kBar = kV + kStages * kTileV, kBytes = kBar + kBarBytes + 1024;
   static_assert(!kSupported || (kStages >= 2 && kBytes <= kMaxBytes), "shared memory");
   static_assert((1 + 4 * kStages) * 8 <= kBarBytes, "mbarriers: Q, and full/empty for K and V per stage");
 };
@@ -64,11 +64,10 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1)
   constexpr int kPair = 256;  // threads at a turn's named barrier: the waiting warpgroup and the one arriving
   extern __shared__ __align__(1024) char smem_raw[];
   const uint32_t raw = smem_u32(smem_raw), s0 = (raw + 1023) & ~1023u;
-  const float* s_rk = reinterpret_cast<const float*>(smem_raw + (s0 - raw) + C::kRk);
   const SwTile sQ{s0 + C::kQ, kBr};
   auto k_tile = [&](int st) { return SwTile{s0 + C::kK + st * C::kTileKV, kBc}; };
   auto v_tile = [&](int st) { return SwTile{s0 + C::kV + st * C::kTileV, kBc}; };
-  // mbarriers: Q landed; per stage, K (with its keys' 1/|k|) and V landed, and K and V free again.
+  // mbarriers: Q landed; per stage, K and V landed, and K and V free again.
   const uint32_t q_full = s0 + C::kBar;
   auto k_full = [&](int st) { return q_full + 8 * (1 + st); };
   auto v_full = [&](int st) { return q_full + 8 * (1 + kStages + st); };
@@ -105,10 +104,8 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1)
       for (int j = 0; j < n_tiles; ++j) {
         const int st = j % kStages, n0 = j * kBc;
         if (j >= kStages) mbar_wait(k_empty(st), (j / kStages - 1) & 1);
-        const int rk_bytes = blk.rk ? min(kBc, p.j_pad - n0) * 4 : 0;
-        mbar_expect_tx(k_full(st), C::kTileKV + rk_bytes);
+        mbar_expect_tx(k_full(st), C::kTileKV);
         tma_load_tile<kPanels>(k_tile(st), &args.k, k_full(st), n0, hk, b);
-        if (rk_bytes) bulk_load(s0 + C::kRk + st * kBc * 4, blk.rk + n0, rk_bytes, k_full(st));
         if (j >= kStages) mbar_wait(v_empty(st), (j / kStages - 1) & 1);
         mbar_expect_tx(v_full(st), C::kTileKV);
         tma_load_tile<kPanels>(v_tile(st), &args.v, v_full(st), n0, hk, b);
@@ -169,11 +166,10 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1)
     for (int kc = 0; kc < kNC / 2; ++kc) wgmma_rs<1>(o[0], pa[kc], desc_mn(v_tile(st), kc * 16, 0), 1, T{});
     wgmma_commit();
   };
-  // The weights of tile j, once S has landed; then K's stage (and its 1/|k|) is free.
+  // The weights of tile j, once S has landed; then K's stage is free.
   auto scores = [&](int j) {
     fence_acc(s[0]);
-    fwd_scores<T, 64>(p, pol, s, o, mx, rs, last, blk.rk != nullptr, s_rk + j % kStages * kBc, blk.bias, blk.mask,
-                      m0 + wrow, j * kBc, m0w, g, tq);
+    fwd_scores<T, 64>(p, pol, s, o, mx, rs, last, blk.bias, blk.mask, m0 + wrow, j * kBc, m0w, g, tq);
     release(k_empty(j % kStages));
   };
   auto to_p = [&]() {  // P as rounded to T, into the A registers

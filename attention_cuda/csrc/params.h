@@ -48,6 +48,7 @@ struct Params {
   const void* bias;  // (B,H,I,J) in q's dtype (any strides, 0 on broadcast dims); null for none
   int64_t bias_sb, bias_sh, bias_si, bias_sj;
   // 1 / max(|row|, eps) of q (B,H,i_pad) and k (B,Hkv,j_pad); null when q and k are used as given.
+  // With them, k holds the unit rows k * rk (run_row_rnorm), and rk is read only by dK's epilogue.
   float* rq;  // 1/|q|, written by the forward (from its Q tiles), read by the backward
   const float* rk;
   int i_pad, j_pad;
@@ -55,8 +56,8 @@ struct Params {
   int section;     // heads per section of the block order (block_slot, score.cuh); 1 without causal
   bool normalize;  // divide by l = sum_s A_ts
 
-  // Logit y = alpha * (q.k) * rq * rk + beta * bias (log2 domain for the exp family: alpha, beta
-  // carry log2(e)); exp family: A = exp2(y - shift); poly: A = a0 + a1 y + a2 y^2.
+  // Logit y = alpha * (q.k) * rq + beta * bias, k the unit rows under the qk norm (log2 domain for the exp
+  // family: alpha, beta carry log2(e)); exp family: A = exp2(y - shift); poly: A = a0 + a1 y + a2 y^2.
   float alpha, beta, shift, a0, a1, a2;
   // The backward's dS~ = dL/dx * d(y)/d(q.k) carries alpha; grad_scale = d(x)/d(q_n.k_n) / alpha turns
   // it into natural units once, in the dq/dk epilogues.
@@ -138,9 +139,10 @@ bool find_chunked(Dtype dtype, int head_dim, LinStateFn* state, LinReadFn* read)
 bool use_sm90();
 
 // Row-wise helpers (aux.cu).
-// 1 / max(|x_row|, eps) for x (B,H,N,D) with element strides (sb, sh, si), into out (B,H,n_pad).
+// r = 1 / max(|x_row|, eps) for x (B,H,N,D) with element strides (sb, sh, si), into out (B,H,n_pad), and
+// the rows x r in x's type into unit (B,H,N,D), contiguous.
 cudaError_t run_row_rnorm(Dtype dtype, const void* x, int64_t sb, int64_t sh, int64_t si, int B, int H, int N,
-                          int D, int n_pad, float* out, cudaStream_t stream);
+                          int D, int n_pad, float* out, void* unit, cudaStream_t stream);
 // delta = rowsum(dO * O) (0 when not normalising), into p.delta.
 cudaError_t run_delta(Dtype dtype, const Params& p, int D, cudaStream_t stream);
 // dq = c (U - rq^2 (q.U) q) from U = p.dq_accum (or c U without qk norm), into p.dq; U in rows, or in the
