@@ -1,8 +1,8 @@
-// Row-wise passes around the attention kernels: 1/|row| of q and k, delta = rowsum(dO * O) for the
-// backward, the dQ epilogue, and the linear form's layouts in and out of its chunk-major rows. Each warp
-// owns kRowsPerWarp rows at a time and issues the loads of all of them before it reduces any. The grid
-// is (batch x head, row blocks), rows striding past the grid's 65535-block height, so no thread divides
-// a 64-bit row index (bench/NOTES.md, run 9, has their times).
+// Row-wise passes around the attention kernels: 1/|k| and the unit keys k/|k| that the kernels read,
+// delta = rowsum(dO * O) for the backward, the dQ epilogue, and the linear form's layouts in and out of
+// its chunk-major rows. Each warp owns kRowsPerWarp rows at a time and issues the loads of all of them
+// before it reduces any. The grid is (batch x head, row blocks), rows striding past the grid's
+// 65535-block height, so no thread divides a 64-bit row index (bench/NOTES.md, run 9, has their times).
 #include "mma.cuh"
 #include "params.h"
 
