@@ -5,16 +5,21 @@ The standard split is by byte offset: the first 90M bytes train, the next 5M val
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gzip
 import hashlib
 import http.client
 import os
+import shutil
 import tempfile
+import time
 import urllib.error
 import urllib.request
 import zipfile
 import zlib
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 from tqdm import tqdm
@@ -26,7 +31,16 @@ ENWIK8_SIZE = 100_000_000
 # Next to the package rather than relative to the working directory, so every entry point shares one cache.
 DEFAULT_CACHE_DIR = Path(__file__).resolve().parent / "cache"
 CHUNK_BYTES = 1 << 20
-DOWNLOAD_TIMEOUT_S = 60
+DOWNLOAD_TIMEOUT_S = 60          # per read: a connection that stalls
+# The whole download: one that trickles never stalls. The zip is 36 MB, so this fails below about 20 kB/s,
+# where fetching it by other means and passing --data-path is the better way anyway.
+DOWNLOAD_DEADLINE_S = 30 * 60
+LOCK_NAME = ".enwik8.lock"
+WORKSPACE_PREFIX = ".enwik8-download-"
+# What reading a damaged or unusual archive raises besides BadZipFile: zipfile raises RuntimeError for an
+# encrypted member and NotImplementedError for a compression method it lacks, a cut or corrupt stream ends
+# in EOFError or zlib.error, and OSError covers gzip.BadGzipFile and the file's own I/O errors.
+ARCHIVE_ERRORS = (zipfile.BadZipFile, RuntimeError, NotImplementedError, EOFError, zlib.error, OSError)
 
 
 class DataError(RuntimeError):
@@ -51,20 +65,32 @@ def _zip_member(zf: zipfile.ZipFile, name: str) -> str:
     raise DataError(f"{name}: expected a zip with a member named 'enwik8' or a single file, found {members}")
 
 
-def _fetch(url: str, dest: Path, sha256: str) -> None:
-    """Stream url into dest, checking the byte count against Content-Length and the sha256."""
+def _fetch(url: str, dest: Path, sha256: str, timeout_s: float, deadline_s: float) -> None:
+    """Stream url into dest, checking the byte count against Content-Length and the sha256.
+
+    timeout_s bounds each read, deadline_s the whole download.
+    """
     digest = hashlib.sha256()
     received = 0
+    start = time.monotonic()
     try:
-        with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as resp, open(dest, "wb") as out:
-            length = resp.headers.get("Content-Length")
-            expected = int(length) if length is not None else None
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp, open(dest, "wb") as out:
+            # A malformed Content-Length counts as absent, as http.client itself treats it when reading the
+            # body: the count only makes a truncation's message clearer, the sha256 guards the content.
+            length = resp.headers.get("Content-Length", "")
+            expected = int(length) if length.isdecimal() else None
             with tqdm(total=expected, unit="B", unit_scale=True, desc="enwik8.zip", disable=None) as bar:
-                while chunk := resp.read(CHUNK_BYTES):
+                # read1 returns whatever has arrived, where read would wait for a whole chunk, so the
+                # deadline is checked as a trickle comes in.
+                while chunk := resp.read1(CHUNK_BYTES):
                     out.write(chunk)
                     digest.update(chunk)
                     received += len(chunk)
                     bar.update(len(chunk))
+                    elapsed = time.monotonic() - start
+                    if elapsed > deadline_s:
+                        raise DataError(f"downloading {url} is too slow: {received:,} bytes arrived in "
+                                        f"{elapsed:.1f} s, past the {deadline_s:g} s deadline")
     except urllib.error.HTTPError as err:
         raise DataError(f"downloading {url} failed: HTTP {err.code} {err.reason}") from err
     except (OSError, http.client.HTTPException) as err:
@@ -78,47 +104,111 @@ def _fetch(url: str, dest: Path, sha256: str) -> None:
                         f"(truncated or corrupt download, received {received:,} bytes)")
 
 
-def _extract_verified(zip_path: Path, dest: Path, md5: str, name: str) -> None:
-    digest = hashlib.md5()
+def _decompress(path: Path, name: str) -> bytes:
+    """The content of a .gz file, or of a zip's data member; name is how messages call the file."""
     try:
-        with zipfile.ZipFile(zip_path) as zf, zf.open(_zip_member(zf, name)) as src, open(dest, "wb") as out:
-            while chunk := src.read(CHUNK_BYTES):
-                out.write(chunk)
-                digest.update(chunk)
-    except zipfile.BadZipFile as err:
-        raise DataError(f"{name} is not a valid zip file: {err}") from err
-    if digest.hexdigest() != md5:
-        raise DataError(f"enwik8 extracted from {name}: md5 {digest.hexdigest()} does not match "
-                        f"the expected {md5}")
+        if path.suffix.lower() == ".gz":
+            with gzip.open(path) as f:
+                return f.read()
+        with zipfile.ZipFile(path) as zf:
+            return zf.read(_zip_member(zf, name))
+    except DataError:  # a RuntimeError too, but already says what is wrong
+        raise
+    except ARCHIVE_ERRORS as err:
+        raise DataError(f"cannot read {name}: {err}") from err
+
+
+def _extract_verified(zip_path: Path, dest: Path, md5: str, name: str) -> None:
+    data = _decompress(zip_path, name)
+    digest = hashlib.md5(data).hexdigest()
+    if digest != md5:
+        raise DataError(f"enwik8 extracted from {name}: md5 {digest} does not match the expected {md5}")
+    dest.write_bytes(data)
+
+
+def _read_raw(path: Path) -> np.ndarray:
+    """The whole file, read into memory.
+
+    Not np.memmap: a mapped file that shrinks while training runs kills the process with SIGBUS and no
+    message. A copy per DDP rank is 100 MB, small beside the model and its optimizer state.
+    """
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data = np.frombuffer(f.read(), dtype=np.uint8)
+    except OSError as err:
+        raise DataError(f"cannot read {path}: {err}") from err
+    if len(data) != size:
+        raise DataError(f"{path}: read {len(data):,} bytes, expected its size {size:,}: "
+                        "was it changed while being read?")
+    return data
+
+
+def _is_cached(target: Path, md5: str, hint: str) -> bool:
+    """Whether target is the verified enwik8; False where nothing is there, DataError where else is."""
+    if target.is_dir():
+        raise DataError(f"the enwik8 cache path {target} is a directory: remove it, the verified file goes "
+                        f"there. {hint}")
+    if not target.exists():
+        return False
+    if _file_digest(target, "md5") != md5:
+        raise DataError(f"cached {target} does not have md5 {md5}: delete it to download again. {hint}")
+    return True
+
+
+@contextlib.contextmanager
+def _locked_workspace(cache_dir: Path, hint: str, log) -> Iterator[Path]:
+    """A new temporary folder in cache_dir, yielded while holding an exclusive lock on the cache.
+
+    The flock serialises downloads into one cache across processes, and the kernel drops it when its holder
+    exits however it dies. So with it held no one is using an earlier workspace: those are left by killed
+    downloads (SIGKILL skips the cleanup) and are removed here. The lock file stays, as deleting it would
+    let a process still waiting on it and a newcomer lock two different files.
+    """
+    with contextlib.ExitStack() as stack:
+        try:  # e.g. inside a read-only container image, where --data-path is the way
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            lock = stack.enter_context(open(cache_dir / LOCK_NAME, "a"))
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log(f"enwik8: waiting for another process downloading into {cache_dir}")
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            for stale in cache_dir.glob(WORKSPACE_PREFIX + "*"):
+                shutil.rmtree(stale, ignore_errors=True)  # best effort: a leftover must not stop a download
+            work = stack.enter_context(tempfile.TemporaryDirectory(dir=cache_dir, prefix=WORKSPACE_PREFIX))
+        except OSError as err:
+            raise DataError(f"cannot write the enwik8 cache in {cache_dir}: {err}. {hint}") from err
+        yield Path(work)
 
 
 def download_enwik8(cache_dir: str | Path = DEFAULT_CACHE_DIR, url: str = ENWIK8_URL,
-                    zip_sha256: str = ENWIK8_ZIP_SHA256, md5: str = ENWIK8_MD5, log=print) -> Path:
+                    zip_sha256: str = ENWIK8_ZIP_SHA256, md5: str = ENWIK8_MD5, log=print,
+                    timeout_s: float = DOWNLOAD_TIMEOUT_S, deadline_s: float = DOWNLOAD_DEADLINE_S) -> Path:
     """Path of the verified raw enwik8 in cache_dir, downloading it on first use.
 
     The work happens in a temporary folder inside cache_dir that is removed however the attempt ends, and
     the file takes its final name (atomic os.replace, same filesystem) only after both checksums pass, so a
-    failed or interrupted download never leaves a partial file or poisons the cache.
+    failed or interrupted download never leaves a partial file or poisons the cache. Downloads into one
+    cache take turns (see _locked_workspace): one that waited finds the file cached.
+    timeout_s bounds each read from the server, deadline_s the whole download.
     """
     cache_dir = Path(cache_dir)
     target = cache_dir / "enwik8"
     hint = (f"To fix: retry, or fetch {url} yourself and pass --data-path to the local copy "
             "(a raw enwik8 file, a .zip or a .gz).")
-    if target.exists():
-        if _file_digest(target, "md5") != md5:
-            raise DataError(f"cached {target} does not have md5 {md5}: delete it to download again. {hint}")
+    # Checked before locking, which needs write access, so a read-only cache that holds enwik8 works.
+    if _is_cached(target, md5, hint):
         log(f"enwik8: using cached {target}")
         return target
-    log(f"enwik8: downloading {url} into {cache_dir}")
-    try:  # e.g. inside a read-only container image, where --data-path is the way
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        workspace = tempfile.TemporaryDirectory(dir=cache_dir, prefix=".enwik8-download-")
-    except OSError as err:
-        raise DataError(f"cannot write the enwik8 cache in {cache_dir}: {err}. {hint}") from err
-    with workspace as work:
-        zip_path, raw_path = Path(work) / "enwik8.zip", Path(work) / "enwik8"
+    with _locked_workspace(cache_dir, hint, log) as work:
+        if _is_cached(target, md5, hint):
+            log(f"enwik8: using {target}, cached meanwhile by another process")
+            return target
+        log(f"enwik8: downloading {url} into {cache_dir}")
+        zip_path, raw_path = work / "enwik8.zip", work / "enwik8"
         try:
-            _fetch(url, zip_path, zip_sha256)
+            _fetch(url, zip_path, zip_sha256, timeout_s, deadline_s)
             _extract_verified(zip_path, raw_path, md5, name=url)
         except DataError as err:
             raise DataError(f"{err}. {hint}") from err
@@ -134,18 +224,10 @@ def read_local(path: str | Path, log=print) -> np.ndarray:
         raise DataError(f"data_path: {path} does not exist or is not a file")
     if path.stat().st_size == 0:
         raise DataError(f"data_path: {path} is empty")
-    try:
-        if path.suffix == ".zip":
-            with zipfile.ZipFile(path) as zf:
-                data = np.frombuffer(zf.read(_zip_member(zf, str(path))), dtype=np.uint8)
-        elif path.suffix == ".gz":
-            with gzip.open(path) as f:
-                data = np.frombuffer(f.read(), dtype=np.uint8)
-        else:
-            # A memmap lets DDP ranks on one node share the page cache instead of each holding a copy.
-            data = np.memmap(path, dtype=np.uint8, mode="r")
-    except (zipfile.BadZipFile, gzip.BadGzipFile, EOFError, zlib.error) as err:
-        raise DataError(f"data_path: cannot read {path}: {err}") from err
+    if path.suffix.lower() in (".zip", ".gz"):  # enwik8.ZIP is a zip all the same
+        data = np.frombuffer(_decompress(path, str(path)), dtype=np.uint8)
+    else:
+        data = _read_raw(path)
     log(f"enwik8: {path}: {len(data):,} bytes (local file, not checksum-verified)")
     return data
 
@@ -158,9 +240,13 @@ def split_sizes(n: int) -> tuple[int, int, int]:
     return n - 2 * n_val, n_val, n_val
 
 
-def split_enwik8(data: np.ndarray, log=print) -> dict[str, np.ndarray]:
-    """Contiguous train/val/test views of data, in that order, covering it exactly."""
-    n_train, n_val, _ = split_sizes(len(data))
+def split_enwik8(data: np.ndarray, log=print, name: str = "data") -> dict[str, np.ndarray]:
+    """Contiguous train/val/test views of data, in that order, covering it exactly; name is data's file."""
+    try:
+        n_train, n_val, _ = split_sizes(len(data))
+    except ValueError as err:
+        raise DataError(f"{name}: {len(data):,} bytes are too few to split into train/val/test, "
+                        "which need at least one byte each") from err
     if len(data) != ENWIK8_SIZE:
         log(f"enwik8: {len(data):,} bytes is not the full {ENWIK8_SIZE:,}: "
             "splitting 90/5/5 proportionally (integer arithmetic)")
@@ -169,15 +255,30 @@ def split_enwik8(data: np.ndarray, log=print) -> dict[str, np.ndarray]:
     return splits
 
 
+def data_fingerprint(splits: dict[str, np.ndarray]) -> dict:
+    """{"bytes", "sha256"} of the data behind splits, for a checkpoint to refuse a resume on other data.
+
+    split_enwik8's splits are contiguous views covering the data in train/val/test order, so this is the
+    sha256 of the file's (decompressed) content.
+    """
+    parts = [splits[name] for name in ("train", "val", "test")]
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    return {"bytes": sum(len(part) for part in parts), "sha256": digest.hexdigest()}
+
+
 def load_enwik8(data_path: str | Path | None = None, cache_dir: str | Path = DEFAULT_CACHE_DIR,
                 url: str = ENWIK8_URL, log=print, zip_sha256: str = ENWIK8_ZIP_SHA256,
-                md5: str = ENWIK8_MD5) -> dict[str, np.ndarray]:
+                md5: str = ENWIK8_MD5, timeout_s: float = DOWNLOAD_TIMEOUT_S,
+                deadline_s: float = DOWNLOAD_DEADLINE_S) -> dict[str, np.ndarray]:
     """{"train", "val", "test"} uint8 arrays from data_path when given, else from the verified download.
 
     Under DDP call it on rank 0 first (then barrier) so the ranks do not all download at once.
     """
     if data_path is not None:
-        data = read_local(data_path, log)
+        path, data = Path(data_path), read_local(data_path, log)
     else:
-        data = np.memmap(download_enwik8(cache_dir, url, zip_sha256, md5, log), dtype=np.uint8, mode="r")
-    return split_enwik8(data, log)
+        path = download_enwik8(cache_dir, url, zip_sha256, md5, log, timeout_s, deadline_s)
+        data = _read_raw(path)
+    return split_enwik8(data, log, name=str(path))

@@ -3,6 +3,7 @@ import hashlib
 import http.server
 import io
 import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -10,20 +11,37 @@ import numpy as np
 import pytest
 import torch
 
-from data import (DataError, RandomWindowSampler, eval_windows, load_enwik8, num_eval_targets, read_local,
-                  split_enwik8, split_sizes)
+from data import (DataError, RandomWindowSampler, data_fingerprint, download_enwik8, eval_windows, load_enwik8,
+                  num_eval_targets, read_local, split_enwik8, split_sizes)
 from data.__main__ import main as data_cli
+from data.enwik8 import LOCK_NAME, WORKSPACE_PREFIX, _read_raw
 
 SHARED_4MB = Path(__file__).resolve().parents[2] / "shared" / "data" / "enwik8-first4mb"
 PAYLOAD = np.random.default_rng(0).integers(0, 256, size=5000, dtype=np.uint8).tobytes()
 
 
-def zip_bytes(members: dict[str, bytes]) -> bytes:
+def zip_bytes(members: dict[str, bytes], flag_bits: int = 0, compress_type: int = zipfile.ZIP_DEFLATED) -> bytes:
+    """A zip of members; flag_bits and compress_type forge what the central directory says of each."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
         for name, content in members.items():
             zf.writestr(name, content)
+        for info in zf.infolist():  # written to the central directory on close, which is what readers trust
+            info.flag_bits |= flag_bits
+            info.compress_type = compress_type
     return buf.getvalue()
+
+
+def trickle(body: bytes, pieces: int, pause_s: float):
+    """body in that many pieces, each sent after a pause: a slow or stalling server."""
+    step = -(-len(body) // pieces)
+    for start in range(0, len(body), step):
+        time.sleep(pause_s)
+        yield body[start:start + step]
+
+
+def cache_files(cache: Path) -> list[str]:
+    return sorted(p.name for p in cache.iterdir())
 
 
 GOOD_ZIP = zip_bytes({"enwik8": PAYLOAD})
@@ -33,7 +51,8 @@ GOOD_SUMS = {"zip_sha256": hashlib.sha256(GOOD_ZIP).hexdigest(), "md5": hashlib.
 
 @pytest.fixture
 def server():
-    """A local HTTP server: routes maps a path to (body, Content-Length or None); requests logs every GET."""
+    """A local HTTP server: routes maps a path to (body, Content-Length or None), the body bytes or an iterable
+    of pieces to send one by one; requests logs every GET."""
     routes, requests = {}, []
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -47,7 +66,11 @@ def server():
             if length is not None:
                 self.send_header("Content-Length", str(length))
             self.end_headers()
-            self.wfile.write(body)
+            try:
+                for piece in [body] if isinstance(body, bytes) else body:
+                    self.wfile.write(piece)
+            except ConnectionError:  # the client gave up, as the deadline and timeout tests make it
+                pass
 
         def log_message(self, *args):
             pass
@@ -61,9 +84,12 @@ def server():
     thread.join()
 
 
-def test_download_verifies_caches_and_does_not_fetch_again(server, tmp_path):
+# A malformed Content-Length counts as absent: the sha256 still guards the content.
+@pytest.mark.parametrize("length", [len(GOOD_ZIP), None, "many", "-1"],
+                         ids=["length", "no-length", "malformed-length", "negative-length"])
+def test_download_verifies_caches_and_does_not_fetch_again(server, tmp_path, length):
     base, routes, requests = server
-    routes["/enwik8.zip"] = (GOOD_ZIP, len(GOOD_ZIP))
+    routes["/enwik8.zip"] = (GOOD_ZIP, length)
     cache = tmp_path / "cache"
     n_train, n_val, n_test = split_sizes(len(PAYLOAD))
     for _ in range(2):
@@ -71,7 +97,7 @@ def test_download_verifies_caches_and_does_not_fetch_again(server, tmp_path):
         assert b"".join(split.tobytes() for split in splits.values()) == PAYLOAD
         assert [len(split) for split in splits.values()] == [n_train, n_val, n_test]
     assert requests == ["/enwik8.zip"]
-    assert [p.name for p in cache.iterdir()] == ["enwik8"]
+    assert cache_files(cache) == [LOCK_NAME, "enwik8"]
 
 
 def test_corrupted_cache_is_reported_not_used(server, tmp_path):
@@ -87,11 +113,13 @@ def test_corrupted_cache_is_reported_not_used(server, tmp_path):
 @pytest.mark.parametrize("body, length, sums, message", [
     (GOOD_ZIP[:-100], len(GOOD_ZIP), GOOD_SUMS, "truncated: received"),    # server closes early
     (GOOD_ZIP[:-100], None, GOOD_SUMS, "sha256"),                           # no Content-Length: the checksum
+    (GOOD_ZIP[:-100], "100 MB", GOOD_SUMS, "sha256"),                       # malformed: as if absent
     (GOOD_ZIP, len(GOOD_ZIP), {**GOOD_SUMS, "zip_sha256": "0" * 64}, "sha256"),
     (GOOD_ZIP, len(GOOD_ZIP), {**GOOD_SUMS, "md5": "0" * 32}, "md5"),
     (NOT_A_ZIP, len(NOT_A_ZIP), {**GOOD_SUMS, "zip_sha256": hashlib.sha256(NOT_A_ZIP).hexdigest()},
-     "not a valid zip"),
-], ids=["short-body", "short-body-no-length", "wrong-sha256", "wrong-md5", "not-a-zip"])
+     "cannot read .* not a zip file"),
+], ids=["short-body", "short-body-no-length", "short-body-malformed-length", "wrong-sha256", "wrong-md5",
+        "not-a-zip"])
 def test_bad_download_raises_and_leaves_nothing(server, tmp_path, body, length, sums, message):
     base, routes, _ = server
     routes["/enwik8.zip"] = (body, length)
@@ -99,7 +127,7 @@ def test_bad_download_raises_and_leaves_nothing(server, tmp_path, body, length, 
     with pytest.raises(DataError, match=message) as err:
         load_enwik8(cache_dir=cache, url=base + "/enwik8.zip", log=lambda msg: None, **sums)
     assert "--data-path" in str(err.value)
-    assert list(cache.iterdir()) == []
+    assert cache_files(cache) == [LOCK_NAME]
 
 
 def test_unwritable_cache_is_a_clear_error(tmp_path):
@@ -114,7 +142,74 @@ def test_http_error_is_clear(server, tmp_path):
     with pytest.raises(DataError, match="HTTP 404") as err:
         load_enwik8(cache_dir=tmp_path / "cache", url=base + "/missing.zip", log=lambda msg: None)
     assert base + "/missing.zip" in str(err.value) and "--data-path" in str(err.value)
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert cache_files(tmp_path / "cache") == [LOCK_NAME]
+
+
+def test_trickling_download_stops_at_the_deadline(server, tmp_path):
+    base, routes, _ = server
+    routes["/enwik8.zip"] = (trickle(GOOD_ZIP, pieces=len(GOOD_ZIP), pause_s=0.01), len(GOOD_ZIP))  # ~50 s
+    start = time.monotonic()
+    with pytest.raises(DataError, match=r"too slow: [\d,]+ bytes arrived in [\d.]+ s, past the 0.5 s deadline") as err:
+        load_enwik8(cache_dir=tmp_path / "cache", url=base + "/enwik8.zip", log=lambda msg: None,
+                    timeout_s=10, deadline_s=0.5, **GOOD_SUMS)
+    assert time.monotonic() - start < 5   # each byte arrives well within the per-read timeout
+    assert "--data-path" in str(err.value)
+    assert cache_files(tmp_path / "cache") == [LOCK_NAME]
+
+
+def test_stalled_download_times_out(server, tmp_path):
+    base, routes, _ = server
+    routes["/enwik8.zip"] = (trickle(GOOD_ZIP, pieces=2, pause_s=3), len(GOOD_ZIP))
+    with pytest.raises(DataError, match="timed out") as err:
+        load_enwik8(cache_dir=tmp_path / "cache", url=base + "/enwik8.zip", log=lambda msg: None,
+                    timeout_s=0.3, **GOOD_SUMS)
+    assert "--data-path" in str(err.value)
+
+
+def test_directory_at_the_cache_path_is_a_clear_error(server, tmp_path):
+    base, routes, requests = server
+    routes["/enwik8.zip"] = (GOOD_ZIP, len(GOOD_ZIP))
+    (tmp_path / "cache" / "enwik8").mkdir(parents=True)
+    with pytest.raises(DataError, match=f"{tmp_path / 'cache' / 'enwik8'} is a directory: remove it"):
+        load_enwik8(cache_dir=tmp_path / "cache", url=base + "/enwik8.zip", log=lambda msg: None, **GOOD_SUMS)
+    assert requests == []
+
+
+def test_download_removes_workspaces_of_killed_downloads(server, tmp_path):
+    base, routes, _ = server
+    routes["/enwik8.zip"] = (GOOD_ZIP, len(GOOD_ZIP))
+    stale = tmp_path / "cache" / (WORKSPACE_PREFIX + "killed")   # as a SIGKILLed download leaves it
+    stale.mkdir(parents=True)
+    (stale / "enwik8.zip").write_bytes(GOOD_ZIP[:100])
+    load_enwik8(cache_dir=tmp_path / "cache", url=base + "/enwik8.zip", log=lambda msg: None, **GOOD_SUMS)
+    assert cache_files(tmp_path / "cache") == [LOCK_NAME, "enwik8"]
+
+
+def test_concurrent_downloads_take_turns(server, tmp_path):
+    base, routes, requests = server
+    routes["/enwik8.zip"] = (trickle(GOOD_ZIP, pieces=5, pause_s=0.2), len(GOOD_ZIP))
+    args = {"cache_dir": tmp_path / "cache", "url": base + "/enwik8.zip", **GOOD_SUMS}
+    first = []
+    thread = threading.Thread(target=lambda: first.append(download_enwik8(**args, log=lambda msg: None)))
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not requests and time.monotonic() < deadline:   # the first download holds the lock once it asks
+        time.sleep(0.01)
+    logged = []
+    second = download_enwik8(**args, log=logged.append)
+    thread.join()
+    assert requests == ["/enwik8.zip"]
+    assert first == [second] == [tmp_path / "cache" / "enwik8"]
+    assert "waiting for another process" in logged[0] and "cached meanwhile by another process" in logged[-1]
+
+
+def test_verified_cache_is_used_without_locking(tmp_path):
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "enwik8").write_bytes(PAYLOAD)   # as in a read-only container image
+    splits = load_enwik8(cache_dir=tmp_path / "cache", url="http://127.0.0.1:9/enwik8.zip",
+                         log=lambda msg: None, **GOOD_SUMS)
+    assert b"".join(split.tobytes() for split in splits.values()) == PAYLOAD
+    assert cache_files(tmp_path / "cache") == ["enwik8"]
 
 
 @pytest.mark.parametrize("name, content", [
@@ -123,7 +218,10 @@ def test_http_error_is_clear(server, tmp_path):
     ("other.zip", zip_bytes({"readme.txt": b"x", "enwik8": PAYLOAD})),
     ("single.zip", zip_bytes({"some-name": PAYLOAD})),
     ("enwik8.gz", gzip.compress(PAYLOAD)),
-], ids=["raw", "zip", "zip-named-member", "zip-single-member", "gz"])
+    ("enwik8.ZIP", GOOD_ZIP),
+    ("enwik8.GZ", gzip.compress(PAYLOAD)),
+    ("enwik8.Gz", gzip.compress(PAYLOAD)),
+], ids=["raw", "zip", "zip-named-member", "zip-single-member", "gz", "ZIP", "GZ", "Gz"])
 def test_local_files(tmp_path, name, content):
     (tmp_path / name).write_bytes(content)
     logged = []
@@ -138,16 +236,68 @@ def test_local_files(tmp_path, name, content):
     ("bad.gz", b"not gzip", "cannot read"),
     ("cut.gz", gzip.compress(PAYLOAD)[:-20], "cannot read"),
     ("empty", b"", "is empty"),
-], ids=["zip-ambiguous", "bad-zip", "bad-gz", "truncated-gz", "empty"])
+    ("locked.zip", zip_bytes({"enwik8": PAYLOAD}, flag_bits=0x1), "cannot read .*password required"),
+    ("ppmd.zip", zip_bytes({"enwik8": PAYLOAD}, compress_type=98), "cannot read .*compression method"),
+    ("corrupt.zip", GOOD_ZIP[:100] + bytes(10) + GOOD_ZIP[110:], "cannot read"),
+    ("cut.GZ", gzip.compress(PAYLOAD)[:-20], "cannot read"),
+], ids=["zip-ambiguous", "bad-zip", "bad-gz", "truncated-gz", "empty", "encrypted-zip", "unsupported-compression",
+        "corrupt-zip-member", "truncated-GZ"])
 def test_bad_local_files(tmp_path, name, content, message):
     (tmp_path / name).write_bytes(content)
-    with pytest.raises(DataError, match=message):
+    with pytest.raises(DataError, match=message) as err:
         read_local(tmp_path / name, log=lambda msg: None)
+    assert str(tmp_path / name) in str(err.value)
+
+
+@pytest.mark.parametrize("name, content, n", [
+    ("one", b"x", 1),
+    ("two", b"xy", 2),
+    ("two.gz", gzip.compress(b"xy"), 2),
+    ("one.zip", zip_bytes({"enwik8": b"x"}), 1),
+], ids=["raw-1", "raw-2", "gz-2", "zip-1"])
+def test_too_small_to_split_names_the_file(tmp_path, name, content, n):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(DataError, match=f"{tmp_path / name}: {n} bytes are too few to split"):
+        load_enwik8(data_path=tmp_path / name, log=lambda msg: None)
+
+
+@pytest.mark.parametrize("source", ["local", "cached-download"])
+def test_raw_data_survives_the_file_being_truncated(server, tmp_path, source):
+    """A memmap would die of SIGBUS reading the data after this; a copy in memory does not care."""
+    base, routes, _ = server
+    routes["/enwik8.zip"] = (GOOD_ZIP, len(GOOD_ZIP))
+    (tmp_path / "raw").write_bytes(PAYLOAD)
+    splits = load_enwik8(data_path=tmp_path / "raw" if source == "local" else None, cache_dir=tmp_path / "cache",
+                         url=base + "/enwik8.zip", log=lambda msg: None, **GOOD_SUMS)
+    assert not any(isinstance(split, np.memmap) for split in splits.values())
+    for path in (tmp_path / "raw", tmp_path / "cache" / "enwik8"):
+        if path.exists():
+            path.write_bytes(b"")
+    assert b"".join(split.tobytes() for split in splits.values()) == PAYLOAD
+
+
+@pytest.mark.skipif(not Path("/proc/version").is_file(), reason="needs procfs")
+def test_raw_read_checks_the_size():
+    # procfs files stat as 0 bytes yet read as more: the same mismatch as a file changed while being read.
+    with pytest.raises(DataError, match=r"/proc/version: read [\d,]+ bytes, expected its size 0"):
+        _read_raw(Path("/proc/version"))
 
 
 def test_missing_local_file_names_the_path(tmp_path):
     with pytest.raises(DataError, match=f"data_path: {tmp_path / 'nope'} does not exist"):
         load_enwik8(data_path=tmp_path / "nope", log=lambda msg: None)
+
+
+def test_data_fingerprint_is_the_sha256_of_the_content(tmp_path):
+    changed = bytearray(PAYLOAD)
+    changed[len(PAYLOAD) // 2] ^= 1
+    fingerprints = {}
+    for name, content in [("raw", PAYLOAD), ("same.gz", gzip.compress(PAYLOAD)), ("changed", bytes(changed))]:
+        (tmp_path / name).write_bytes(content)
+        fingerprints[name] = data_fingerprint(load_enwik8(data_path=tmp_path / name, log=lambda msg: None))
+    assert fingerprints["raw"] == {"bytes": len(PAYLOAD), "sha256": hashlib.sha256(PAYLOAD).hexdigest()}
+    assert fingerprints["same.gz"] == fingerprints["raw"]     # the content, however it is stored
+    assert fingerprints["changed"]["sha256"] != fingerprints["raw"]["sha256"]
 
 
 def test_split_sizes():
