@@ -135,6 +135,12 @@ def attention(q, k, v, mask, bias, causal: bool, policy: ScorePolicy) -> torch.T
     """
     dtype = _run_dtype(q)
     q, k, v = (t.to(dtype) for t in (q, k, v))
+    if mask is not None:
+        # Padded slots may hold garbage, and the tensor cores multiply a masked key's zero weight into its
+        # K and V rows (0 * NaN = NaN): zeroed rows keep it out of every product, forward and backward.
+        # A copy of k and v, paid only by calls with a mask.
+        keep = mask[:, None, :, None]
+        k, v = torch.where(keep, k, 0), torch.where(keep, v, 0)
     if bias is not None:
         bias = bias.to(dtype)
     return _Attention.apply(q, k, v, mask, bias, causal, policy.kind, policy.scale, policy.qk_norm,
@@ -345,11 +351,13 @@ class _LinearAttention(torch.autograd.Function):
 
 
 def _value_mean(v, mask):
-    """The mean value of the keys the mask keeps, per (batch, kv head): fp32 (B, Hkv, D)."""
-    if mask is None:
-        return v.mean(2, dtype=torch.float32)
-    keep = mask[:, None, :, None]
-    return (v * keep).sum(2, dtype=torch.float32) / keep.sum(2).clamp_min(1)
+    """The mean value of the keys the mask keeps, per (batch, kv head): fp32 (B, Hkv, D). Any constant
+    would do (see _LinearAttention), so non-finite entries are left out rather than let one garbage value
+    reach every row through it; masked ones are selected away, not multiplied by 0 (0 * NaN is NaN)."""
+    keep = torch.isfinite(v)
+    if mask is not None:
+        keep = keep & mask[:, None, :, None]
+    return torch.where(keep, v, 0).sum(2, dtype=torch.float32) / keep.sum(2).clamp_min(1)
 
 
 def _diagonal(qc, kc, vc):

@@ -16,6 +16,8 @@ from .score import ScorePolicy, cosine_policy, exp_policy, poly_policy
 BACKENDS = ("auto", "torch", "cuda")
 FORMS = ("auto", "quadratic", "linear")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The kernels compute logits and weights in fp32 whatever the inputs (fp32 accumulators, fp32 scores).
+KERNEL_SCORE_DTYPE = torch.float32
 
 
 def _kernels():
@@ -96,7 +98,7 @@ def _canonicalize(q, k, v, mask=None, bias=None) -> _Call:
             raise ValueError("attn_bias: expected a floating-point tensor")
         if bias.device != q.device:
             raise ValueError(f"attn_bias: expected device {q.device}, got {bias.device}")
-        want = "(b*h, i, j)" if merged else "(h, i, j) or (b, h, i, j)"
+        want, given = "(b*h, i, j)" if merged else "(h, i, j) or (b, h, i, j)", tuple(bias.shape)
         if bias.dim() == 3:
             bias = bias[:, None] if merged else bias[None]
         try:
@@ -105,7 +107,7 @@ def _canonicalize(q, k, v, mask=None, bias=None) -> _Call:
             bias = bias.expand(b, h, i, j)
         except RuntimeError:
             raise ValueError(f"attn_bias: expected {want} broadcastable to (b={b}, h={h}, i={i}, j={j}), "
-                             f"got {tuple(bias.shape)}") from None
+                             f"got {given}") from None
     return _Call(q, k, v, mask, bias, merged)
 
 
@@ -128,8 +130,11 @@ def _use_cuda(call: _Call, causal: bool, policy: ScorePolicy, backend: str, unsu
 
 def _attend(call: _Call, causal: bool, policy: ScorePolicy, backend: str, *, unsupported: str | None = None,
             dropout: float = 0.0, linear: bool = False) -> torch.Tensor:
-    """Run on the kernels when the backend resolves to them, else on the matching reference."""
-    if _use_cuda(call, causal, policy, backend, unsupported):
+    """Run on the kernels when the backend resolves to them, else on the matching reference, once the
+    policy's logits and weights are known to fit the dtype that backend computes them in."""
+    on_kernels = _use_cuda(call, causal, policy, backend, unsupported)
+    policy.check_range(KERNEL_SCORE_DTYPE if on_kernels else reference.score_dtype(call.q.dtype, linear))
+    if on_kernels:
         kernels = _kernels()[0]
         if linear:
             out = kernels.linear_attention(call.q, call.k, call.v, call.mask, causal, policy)
@@ -148,6 +153,9 @@ def cosine_sim_attention(q, k, v, *, causal=False, mask=None, attn_bias=None, sc
 
     Unit-norm q and k bound every logit by ``scale``, so without ``attn_bias`` the kernels need no
     running row max. ``l2norm_qk=False`` means q and k are already normalised by the caller.
+    A ``scale`` whose logits overflow the dtype they are computed in (q's on the reference, fp32 on
+    the kernels) raises ValueError. ``attn_bias`` of another dtype is cast to q's (to autocast's, when
+    it is on, on the kernels); its gradient comes back in its own dtype.
     """
     call = _canonicalize(q, k, v, mask, attn_bias)
     return _attend(call, causal, cosine_policy(scale, l2norm_qk), backend)
@@ -157,6 +165,8 @@ def exp_attention(q, k, v, *, scale=8.0, causal=False, mask=None, backend="auto"
     """sum_s exp(scale * q.k_s) v_s with no normalisation (the seeds' "custom attention").
 
     Nothing bounds the logits: exp overflows (inf) once scale * q.k exceeds ~88 in fp32, ~11 in fp16.
+    A ``scale`` at which even q.k = 1 overflows the weights' dtype (q's on the reference, fp32 on
+    the kernels) raises ValueError.
     """
     call = _canonicalize(q, k, v, mask)
     return _attend(call, causal, exp_policy(scale), backend)
@@ -188,7 +198,10 @@ def fastmax_attention(q, k, v, *, causal=False, mask=None, p=2, a0=1.0, a1=1.0, 
 
     ``normalize=True`` scales each q and k row to norm ``lim`` first (row by row, so under ``causal``
     no future token can change a past output). Coefficients that let f go negative on reachable
-    logits are rejected. ``dropout`` drops normalised weights (quadratic form only; the kernels and
+    logits are rejected, and so is a ``temperature`` whose weights overflow the dtype they are computed
+    in (q's on the quadratic reference, fp32 or fp64 on the linear one, fp32 on the kernels): f of the largest
+    reachable logit, lim**2 / temperature with ``normalize``, else (nothing bounds them) the logit of
+    q.k = 1, must be finite. ``dropout`` drops normalised weights (quadratic form only; the kernels and
     the linear form do not implement it). ``form``: "quadratic" materialises weights tile by tile,
     "linear" carries moments of k (O(N) time and memory); "auto" takes the form that was faster on
     the kernels at this head dim and key count (p = 2 only; p = 1 stays quadratic there), and without

@@ -1,8 +1,11 @@
 """Pure-PyTorch references for every attention family (backend="torch").
 
 All functions take canonical shapes: q (B, H, I, D), k and v (B, Hkv, J, D) with H % Hkv == 0,
-mask None or bool (B, J) (True = keep), bias None or broadcastable to (B, H, I, J).
-``causal`` is bottom-right aligned: query t sees keys s <= t + J - I.
+mask None or bool (B, J) (True = keep), bias None or broadcastable to (B, H, I, J) (cast to q's
+dtype, the logits' dtype). ``causal`` is bottom-right aligned: query t sees keys s <= t + J - I.
+
+A non-finite q, k or v entry reaches only the rows that read it (its own query row, or the rows that
+see its key); masked keys reach no row whatever they hold (see _finite_inputs).
 
 ``quadratic`` materialises the (I, J) weights and serves every family. ``fastmax_linear`` is the
 O(N)-memory form of the polynomial family: f(q.k) factorises through feature maps, so the keys
@@ -39,6 +42,42 @@ def visibility(i: int, j: int, mask: torch.Tensor | None, causal: bool, device) 
     return keep
 
 
+def _finite_inputs(q, k, v, mask, causal: bool):
+    """q, k, v with non-finite entries and masked keys set to 0, and the bool (B, H, I, 1) rows that
+    read a non-finite entry: their own q row, or a kept key they see (whatever its weight).
+
+    The math gives invisible pairs a weight of 0, but 0 * NaN is NaN: in the forward (A V) and in the
+    backward (dX K, A^T dO, and the elementwise chain of a NaN row), one garbage key would reach every
+    row and every gradient. So the math runs on finite inputs only and _mark_rows makes the rows that
+    read garbage NaN afterwards. Masked keys are zeroed whatever they hold: padded slots may carry huge
+    finite garbage too, whose features overflow (k (x) k in the linear form).
+    """
+    i, j = q.shape[2], k.shape[2]
+    # detached: isfinite is abs() != inf underneath, and an abs under autograd would save its input
+    q_ok, k_ok, v_ok = (torch.isfinite(x.detach()) for x in (q, k, v))
+    bad_key = ~(k_ok & v_ok).all(-1)  # (B, Hkv, J)
+    if mask is not None:
+        bad_key = bad_key & mask[:, None]
+        k_ok, v_ok = k_ok & mask[:, None, :, None], v_ok & mask[:, None, :, None]
+    # A row sees a bad key iff the first one lies within its last visible key (all keys without causal).
+    first = torch.where(bad_key, torch.arange(j, device=k.device), j).amin(-1, keepdim=True)  # j: none
+    last = torch.arange(i, device=q.device) + (j - i) if causal else j - 1
+    rows = expand_kv((first <= last)[..., None], q.shape[1]) | ~q_ok.all(-1, keepdim=True)
+    return torch.where(q_ok, q, 0.0), torch.where(k_ok, k, 0.0), torch.where(v_ok, v, 0.0), rows
+
+
+def _mark_rows(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """NaN in ``rows`` of out. Added rather than assigned, so that an upstream gradient there (NaN,
+    when the loss read these rows) still flows back, while a zero one leaves the other rows alone."""
+    return out + torch.where(rows, float("nan"), 0.0).to(out.dtype)
+
+
+def score_dtype(dtype: torch.dtype, linear: bool) -> torch.dtype:
+    """The dtype logits and weights are computed in for inputs of ``dtype``: the inputs' own in the
+    quadratic form, fp32 (fp64 for fp64 inputs) in the linear form, whose moments sum over many keys."""
+    return dtype if not linear or dtype == torch.float64 else torch.float32
+
+
 def _safe_divide(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     """num / den, with rows whose weights sum to zero (no visible key) giving zeros, not NaN."""
     ok = den > 0
@@ -46,31 +85,35 @@ def _safe_divide(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
 
 
 def quadratic(q, k, v, mask, bias, causal: bool, policy: ScorePolicy, dropout: float = 0.0):
+    q, k, v, poisoned = _finite_inputs(q, k, v, mask, causal)
     heads, i, j = q.shape[1], q.shape[2], k.shape[2]
     k, v = expand_kv(k, heads), expand_kv(v, heads)
     q, k = scale_rows(q, policy.qk_norm), scale_rows(k, policy.qk_norm)
     x = policy.scale * (q @ k.transpose(-1, -2))
     if bias is not None:
-        x = x + bias
+        x = x + bias.to(x.dtype)
     keep = visibility(i, j, mask, causal, q.device)
+    if keep is not None:
+        # Invisible logits are replaced before f, not only their weights after: a weight that overflows
+        # there (exp(x), x^2) would meet their zero gradient in the backward, and 0 * inf is NaN.
+        # exp(-inf) = 0 drops them outright; poly's weights are zeroed below.
+        x = x.masked_fill(~keep, 0.0 if policy.kind == "poly" else float("-inf"))
     if policy.kind == "poly":
         a = policy.a0 + x * (policy.a1 + policy.a2 * x)
+        if keep is not None:
+            a = a.masked_fill(~keep, 0.0)
     elif policy.kind == "cosine":
         # exp(x - scale) / l is a softmax; subtracting the row max instead of `scale` gives the same
         # P and stays finite for any bias or unnormalised q/k. The max is a constant for autograd.
-        if keep is not None:
-            x = x.masked_fill(~keep, float("-inf"))
         m = x.detach().amax(dim=-1, keepdim=True)
         a = torch.exp(x - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
     else:  # exp: no normalisation, so no shift is allowed either
         a = torch.exp(x)
-    if keep is not None:
-        a = a.masked_fill(~keep, 0.0)
     if policy.normalize_rows:
         a = _safe_divide(a, a.sum(dim=-1, keepdim=True))
     if dropout > 0:
         a = F.dropout(a, p=dropout)
-    return a @ v
+    return _mark_rows(a @ v, poisoned)
 
 
 def poly_features(x: torch.Tensor, policy: ScorePolicy, query: bool) -> torch.Tensor:
@@ -121,7 +164,7 @@ def _query_rows(q, policy):
 
 def _key_rows(k, v, keep, policy):
     """Scaled keys and [v, 1] rows (the 1 makes l ride along with the numerator), zero at masked keys."""
-    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) * keep
+    v1 = torch.where(keep, torch.cat([v, torch.ones_like(v[..., :1])], dim=-1), 0.0)
     return scale_rows(k, policy.qk_norm), v1
 
 
@@ -137,10 +180,11 @@ def _chunk_rows(q, k, v, keep, state, t0, lo, offset, policy):
     qs = _query_rows(q, policy)
     y = poly_features(qs, policy, query=True) @ state.unsqueeze(2)
     ks, v1 = _key_rows(k, v, keep, policy)
-    x = qs @ ks.unsqueeze(2).transpose(-1, -2)
     t = torch.arange(t0, t0 + q.shape[-2], device=q.device)[:, None]
     s = torch.arange(lo, lo + k.shape[-2], device=q.device)[None, :]
-    a = (policy.a0 + x * (policy.a1 + policy.a2 * x)) * (s <= t + offset)
+    seen = s <= t + offset
+    x = torch.where(seen, qs @ ks.unsqueeze(2).transpose(-1, -2), 0.0)  # as in quadratic: no inf * 0
+    a = torch.where(seen, policy.a0 + x * (policy.a1 + policy.a2 * x), 0.0)
     return y + a @ v1.unsqueeze(2)
 
 
@@ -148,11 +192,11 @@ def _leaf(x):
     return x.detach().requires_grad_()
 
 
-def _key_keep(mask, bsz, j, dtype, device):
-    """(B, 1, J, 1) multiplier of the [v, 1] rows: 0 drops a masked key from both num and l."""
+def _key_keep(mask, bsz, j, device):
+    """Bool (B, 1, J, 1) of the kept [v, 1] rows: a masked key drops out of both num and l."""
     if mask is None:
-        return torch.ones(bsz, 1, j, 1, dtype=dtype, device=device)
-    return mask[:, None, :, None].to(dtype)
+        return torch.ones(bsz, 1, j, 1, dtype=torch.bool, device=device)
+    return mask[:, None, :, None]
 
 
 def _key_slices(lo, hi, chunk):
@@ -181,11 +225,11 @@ class _FastmaxLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, causal, policy, chunk):
-        work = torch.float64 if q.dtype == torch.float64 else torch.float32  # fp32 state for fp16/bf16
+        work = score_dtype(q.dtype, linear=True)
         bsz, heads, i, d = q.shape
         hkv, j = k.shape[1], k.shape[2]
         qw = q.to(work).reshape(bsz, hkv, heads // hkv, i, d)  # grouped heads share their kv head's moment
-        kw, vw, keep = k.to(work), v.to(work), _key_keep(mask, bsz, j, work, q.device)
+        kw, vw, keep = k.to(work), v.to(work), _key_keep(mask, bsz, j, q.device)
         y = qw.new_empty(*qw.shape[:-1], d + 1)
         state = qw.new_zeros(bsz, hkv, _num_features(d, policy), d + 1)
         for t0, t1, k0, lo, hi in _query_chunks(i, j, causal, chunk):
@@ -208,7 +252,7 @@ class _FastmaxLinear(torch.autograd.Function):
         hkv, j = k.shape[1], k.shape[2]
         group = heads // hkv
         qw = q.detach().to(work).reshape(bsz, hkv, group, i, d)
-        kw, vw, keep = k.detach().to(work), v.detach().to(work), _key_keep(mask, bsz, j, work, q.device)
+        kw, vw, keep = k.detach().to(work), v.detach().to(work), _key_keep(mask, bsz, j, q.device)
         d_out = d_out.to(work).reshape(bsz, hkv, group, i, d)
         delta = (d_out * out.to(work).reshape(bsz, hkv, group, i, d)).sum(-1, keepdim=True)
         # Rows with l == 0 (no visible key, or all weights zero) output constant zeros: no gradient.
@@ -247,9 +291,11 @@ def fastmax_linear(q, k, v, mask, causal: bool, policy: ScorePolicy, chunk: int 
     live in the running moment S; the few keys that only some of its queries see (the causal
     diagonal band) are done quadratically. Grouped KV heads share one moment per kv head. The
     backward recomputes S chunk by chunk, so autograd keeps only O(N D) (see _FastmaxLinear).
+    A key's features enter every later moment, so a non-finite one is kept out (_finite_inputs).
     """
     if policy.kind != "poly":
         raise ValueError(f"policy: the linear form is for the polynomial family, got {policy.kind!r}")
     if chunk < 1:
         raise ValueError(f"chunk: expected a positive number of rows, got {chunk}")
-    return _FastmaxLinear.apply(q, k, v, mask, causal, policy, chunk)
+    q, k, v, poisoned = _finite_inputs(q, k, v, mask, causal)
+    return _mark_rows(_FastmaxLinear.apply(q, k, v, mask, causal, policy, chunk), poisoned)

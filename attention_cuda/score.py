@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 KINDS = ("cosine", "exp", "poly")
 
 
@@ -38,6 +40,35 @@ class ScorePolicy:
             raise ValueError(f"ScorePolicy.kind: expected one of {KINDS}, got {self.kind!r}")
         if not math.isfinite(self.scale):
             raise ValueError(f"scale: expected a finite number, got {self.scale}")
+
+    def check_range(self, dtype: torch.dtype) -> None:
+        """Refuse, before any work, a policy whose logits or weights overflow ``dtype``, the dtype they
+        are computed in (an overflow there makes every output NaN).
+
+        The logit checked is the largest reachable one where rows have a fixed norm: |scale| for cosine
+        (unit rows: l2norm_qk, or the caller's promise without it), lim**2 / temperature for fastmax with
+        normalize. Where nothing bounds the logits (fastmax without normalize, exp) it is the logit of
+        |q.k| = 1, |scale|: a setting that overflows there overflows at any useful input. Both that
+        logit and the largest weight it gives (cosine: 1; exp: e^x; poly: |a0| + |a1| x + |a2| x^2,
+        which bounds |f| on [-x, x]) must be at most the dtype's max. attn_bias is the caller's.
+        """
+        limit = torch.finfo(dtype).max
+        x = abs(self.scale) * (1.0 if self.qk_norm is None else self.qk_norm ** 2)
+        if self.kind == "poly":
+            weight = abs(self.a0) + abs(self.a1) * x + abs(self.a2) * x * x
+            if x <= limit and weight <= limit:
+                return
+            logit = (f"the largest reachable logit, {x:g} (= lim**2/temperature, lim={self.qk_norm:g})"
+                     if self.qk_norm is not None else
+                     f"the logit of |q.k| = 1, {x:g} (= 1/temperature; without normalize no bound exists)")
+            raise ValueError(f"temperature: {1 / self.scale:g} overflows {dtype}: {logit} has weight "
+                             f"f = {weight:g}, above the dtype's max {limit:g}")
+        if self.kind == "cosine" and x > limit:
+            raise ValueError(f"scale: {self.scale:g} overflows {dtype}: logits of unit rows reach +-scale, "
+                             f"above the dtype's max {limit:g}")
+        if self.kind == "exp" and x > math.log(limit):
+            raise ValueError(f"scale: {self.scale:g} overflows {dtype}: the weight exp(scale) of q.k = 1 is "
+                             f"above the dtype's max {limit:g}")
 
     @property
     def bounded(self) -> bool:
