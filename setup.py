@@ -11,6 +11,7 @@ kernels on first use if a GPU and nvcc turn up later. Knobs (environment variabl
 """
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from setuptools import setup
@@ -29,20 +30,43 @@ def _subset(var, allowed):
     return picked
 
 
+def _pure_python(why: str):
+    """No kernels in this install; say why. attention_cuda JIT-compiles them on first use on a GPU."""
+    print(f"attention_cuda: {why}; installing pure Python (attention runs on the PyTorch reference; on a GPU "
+          "with nvcc the kernels JIT-compile on first use)", file=sys.stderr)
+    return [], {}
+
+
 def _cuda_extension():
     """(ext_modules, cmdclass) for the kernels, or ([], {}) with the reason printed."""
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
     except ImportError:
-        print("attention_cuda: torch is not importable at build time (pip without --no-build-isolation?); "
-              "installing pure Python, the kernels JIT-compile on first use")
-        return [], {}
+        return _pure_python("torch is not importable at build time (pip without --no-build-isolation?)")
+    if torch.version.cuda is None:
+        return _pure_python("this torch has no CUDA")
     nvcc = shutil.which("nvcc") or (CUDA_HOME and os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")))
-    if torch.version.cuda is None or not nvcc:
-        print(f"attention_cuda: {'this torch has no CUDA' if torch.version.cuda is None else 'nvcc not found'}; "
-              "installing pure Python (the kernels JIT-compile on first use where CUDA and nvcc exist)")
-        return [], {}
+    if not nvcc or CUDA_HOME is None:
+        return _pure_python("nvcc not found")
+    # torch takes CUDA_HOME from nvcc's folder: a wrapper script in /usr/local/bin gives /usr/local, where
+    # no runtime headers are, and every .cu file would fail on cuda_runtime_api.h.
+    if not os.path.isfile(os.path.join(CUDA_HOME, "include", "cuda_runtime_api.h")):
+        return _pure_python(f"CUDA_HOME={CUDA_HOME} has no include/cuda_runtime_api.h (set CUDA_HOME to the "
+                            "CUDA toolkit's root to build the kernels)")
+
+    class OptionalBuild(BuildExtension):
+        """A failed kernel build leaves a working pure-Python install, never a failed install."""
+
+        def build_extensions(self):
+            try:
+                super().build_extensions()
+            except Exception as err:  # noqa: BLE001 - compiler errors come as several exception types
+                lines = [ln for ln in str(err).splitlines() if ln.strip()] or [type(err).__name__]
+                _pure_python(f"the kernel build failed ({lines[0].strip()[:300]}; `pip install -v "
+                             "--no-build-isolation -e .` shows the whole log)")
+                self.extensions = []  # nothing to copy into the source tree or list as outputs
+
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
     sources = [CSRC / "binding.cpp", CSRC / "aux.cu"]
     sources += [CSRC / "inst" / f"{t}_hd{d}.cu" for t in _subset("ATTN_DTYPES", DTYPES)
@@ -52,7 +76,7 @@ def _cuda_extension():
         nvcc_flags.append("-DATTN_SM90A")  # the host side may launch the sm_90a kernels
     ext = CUDAExtension("attention_cuda._C", [str(s) for s in sources],
                         extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags})
-    return [ext], {"build_ext": BuildExtension}
+    return [ext], {"build_ext": OptionalBuild}
 
 
 ext_modules, cmdclass = _cuda_extension()
