@@ -1,5 +1,5 @@
 # A smoke run that trains on a laptop CPU in a few minutes and reaches val bpc < 3:
-#   python train.py --config configs/tiny_cpu --data-path ../shared/data/enwik8-first4mb
+#   python train.py --config configs/tiny_cpu      (what `python train.py` takes on a machine without a GPU)
 attention = "cosine"
 n_layer = 4
 n_head = 4

@@ -7,7 +7,7 @@ reduction cheaper per call.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -20,27 +20,46 @@ VOCAB_SIZE = 256  # bytes
 ATTENTIONS = ("softmax", "cosine", "fastmax")
 
 
+def check_fields(cfg) -> None:
+    """What holds for every field of a config: a value among its choices, and no inf or NaN in a float
+    (an `lr = 1e999` in a config file reads as inf and would otherwise fail only mid-training)."""
+    for f in fields(cfg):
+        value, choices = getattr(cfg, f.name), f.metadata.get("choices")
+        if choices is not None and value not in choices:
+            raise ValueError(f"{f.name}: expected one of {choices}, got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name}: expected a finite number, got {value}")
+
+
+def option(default, help: str, choices: tuple | None = None):
+    """A config field with the description (and the allowed values) that train.py --help shows and that
+    __post_init__ checks: each field's meaning is written once, here."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass
 class GPTConfig:
-    n_layer: int = 8
-    n_head: int = 8
-    n_kv_head: int | None = None  # key/value heads; None = n_head (1 = multi-query)
-    n_embd: int = 512
-    seq_len: int = 8192
-    dropout: float = 0.0
-    attention: str = "softmax"  # softmax | cosine | fastmax
-    use_cuda_kernel: bool = False  # cosine/fastmax on attention_cuda's kernels instead of its PyTorch reference
-    cosine_scale: float = 10.0
-    fastmax_p: int = 2
-    fastmax_a0: float = 1.0
-    fastmax_a1: float = 1.0
-    fastmax_a2: float = 0.5
-    fastmax_temperature: float | None = None  # None = sqrt(head_dim), the usual 1/sqrt(d) logit scale
-    fastmax_normalize: bool = False
-    fastmax_lim: float = 1.0
-    rope_base: float = 10000.0
+    n_layer: int = option(8, "transformer blocks")
+    n_head: int = option(8, "query heads per block")
+    n_kv_head: int | None = option(None, "key/value heads (grouped KV; 1 = multi-query); None = n_head")
+    n_embd: int = option(512, "model width; the head dim is n_embd / n_head")
+    seq_len: int = option(8192, "context length in bytes")
+    dropout: float = option(0.0, "dropout on embeddings and residual branches")
+    attention: str = option("softmax", "attention family", ATTENTIONS)
+    use_cuda_kernel: bool = option(False, "cosine/fastmax on attention_cuda's CUDA kernels instead of its "
+                                          "PyTorch reference")
+    cosine_scale: float = option(10.0, "cosine: the fixed logit scale applied to l2norm(q).l2norm(k)")
+    fastmax_p: int = option(2, "fastmax: polynomial degree", (1, 2))
+    fastmax_a0: float = option(1.0, "fastmax: f(x) = a0 + a1 x + a2 x^2")
+    fastmax_a1: float = option(1.0, "fastmax: f(x) = a0 + a1 x + a2 x^2")
+    fastmax_a2: float = option(0.5, "fastmax: f(x) = a0 + a1 x + a2 x^2 (p = 2)")
+    fastmax_temperature: float | None = option(None, "fastmax: x = q.k / temperature; None = sqrt(head_dim)")
+    fastmax_normalize: bool = option(False, "fastmax: scale each q and k row to norm fastmax_lim first")
+    fastmax_lim: float = option(1.0, "fastmax: the row norm with fastmax_normalize")
+    rope_base: float = option(10000.0, "RoPE frequency base")
 
     def __post_init__(self):
+        check_fields(self)
         for name in ("n_layer", "n_head", "n_embd", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive int, got {getattr(self, name)}")
@@ -53,8 +72,6 @@ class GPTConfig:
                              f"(RoPE rotates pairs), got {self.n_embd}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout: expected a probability in [0, 1), got {self.dropout}")
-        if self.attention not in ATTENTIONS:
-            raise ValueError(f"attention: expected one of {ATTENTIONS}, got {self.attention!r}")
         if self.use_cuda_kernel and self.attention == "softmax":
             raise ValueError("use_cuda_kernel: softmax always runs on PyTorch's fused SDPA kernels; "
                              "the flag selects our kernels for attention='cosine' or 'fastmax'")

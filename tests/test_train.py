@@ -193,6 +193,13 @@ def test_existing_checkpoint_needs_resume_and_the_same_config(run, capsys):
     (["--attention", "softmax", "--use-cuda-kernel"], "use_cuda_kernel: softmax"),
     (["--data-path", "/nonexistent/enwik8"], "/nonexistent/enwik8 does not exist"),
     (["--config", "configs/nope"], "no config file at configs/nope or configs/nope.py"),
+    (["--lr", "inf"], "lr: expected a finite number, got inf"),
+    (["--weight_decay", "inf"], "weight_decay: expected a finite number, got inf"),
+    (["--cosine_scale", "inf"], "cosine_scale: expected a finite number, got inf"),
+    (["--fastmax_a0", "nan"], "fastmax_a0: expected a finite number, got nan"),
+    (["--seed", "4294967296"], "seed: expected an int in [0, 2**32), got 4294967296"),
+    (["--seed=-1"], "seed: expected an int in [0, 2**32), got -1"),
+    (["--dtype", "float16"], "dtype: expected one of ('auto', 'bfloat16', 'float32'), got 'float16'"),
 ])
 def test_bad_input_is_a_usage_error_naming_the_problem(run, capsys, args, expected):
     with pytest.raises(SystemExit) as exc:
@@ -230,12 +237,51 @@ def test_bad_config_file_names_the_line_and_field(tmp_path, capsys, line, expect
     assert f"{config}:3" in err and expected in err
 
 
+def test_a_config_value_that_overflows_to_inf_is_refused(tmp_path, capsys):
+    config = tmp_path / "huge.py"
+    config.write_text("lr = 1e999\n")
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(["--config", str(config)])
+    assert exc.value.code == 2 and "lr: expected a finite number, got inf" in capsys.readouterr().err
+
+
+def test_a_config_file_that_is_not_utf8_is_named(tmp_path, capsys):
+    config = tmp_path / "latin1.py"
+    config.write_bytes("# caf\xe9\nn_layer = 2\n".encode("latin-1"))
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(["--config", str(config)])
+    assert exc.value.code == 2 and f"{config}: not UTF-8 text" in capsys.readouterr().err
+
+
 def test_config_file_then_overrides():
     cfg, resume = train.parse_args(["--config", str(REPO / "configs" / "tiny_cpu.py"), "--n-layer=3",
                                     "--fastmax_normalize", "--cosine_scale", "8", "--n_kv_head", "none"])
     assert (cfg.n_layer, cfg.fastmax_normalize, cfg.cosine_scale, cfg.n_kv_head) == (3, True, 8.0, cfg.n_head)
     assert cfg.run_name == f"tiny_cpu_{cfg.attention}" and resume is None
-    assert train.parse_args([])[0].seq_len == 8192  # configs/base is the default
+
+
+def test_the_default_config_follows_the_device(monkeypatch):
+    monkeypatch.setattr(train.torch.cuda, "is_available", lambda: False)
+    cli = train.parse_command_line([])
+    assert cli.values["seq_len"] == 128 and cli.values["run_name"] == "tiny_cpu_cosine"
+    assert "no CUDA device" in cli.note and "--config configs/base" in cli.note
+    assert train.parse_command_line(["--device", "cuda"]).values["seq_len"] == 8192  # asked for a GPU: base
+    monkeypatch.setattr(train.torch.cuda, "is_available", lambda: True)
+    cli = train.parse_command_line([])
+    assert cli.values["seq_len"] == 8192 and cli.note is None
+    assert train.parse_command_line(["--device", "cpu"]).values["seq_len"] == 128
+
+
+def test_help_describes_every_field_with_its_choices_and_the_config_value(capsys):
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(["--config", str(REPO / "configs" / "tiny_cpu"), "--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "attention family; one of softmax, cosine, fastmax (default 'cosine' from configs/tiny_cpu)" in out
+    assert "peak learning rate (default 0.002 from configs/tiny_cpu)" in out
+    assert "AdamW beta2 (default 0.95)" in out
+    for field in train.dataclasses.fields(train.TrainConfig):
+        assert field.metadata["help"].split(";")[0] in out, field.name
 
 
 def test_lr_schedule():
