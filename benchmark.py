@@ -33,6 +33,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from lab.timing import time_ms
+
 PASSES = ("fwd", "bwd", "fwd+bwd")
 PASS_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}  # FlashAttention's convention
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -351,28 +353,6 @@ def first_run(step, device):
     if not all(bool(torch.isfinite(t).all()) for t in outs):
         raise NotRun("produced NaN or inf on random inputs")
     return mem_gib
-
-
-def time_ms(step, n_sets, warmup, repeats, device):
-    """Per-repeat milliseconds, rotating through the input sets."""
-    for i in range(warmup):
-        step(i % n_sets)
-    if device != "cuda":
-        times = []
-        for r in range(repeats):
-            t0 = time.perf_counter()
-            step(r % n_sets)
-            times.append((time.perf_counter() - t0) * 1e3)
-        return times
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(repeats)]
-    for r, (start, end) in enumerate(events):
-        start.record()
-        step(r % n_sets)
-        end.record()
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) for start, end in events]
 
 
 def error_reason(e, caught):

@@ -37,7 +37,11 @@ from pathlib import Path
 
 import torch
 
-import train
+from lab.cli import choice_list, fmt, int_list, refuse_train_flags, require_positive, split_train_flags
+from lab.config import WANDB_MODES
+from lab.config import parse_args as parse_train_args
+from lab.steps import attention_problem, setup_device
+from model.variants import VARIANTS
 
 ROOT = Path(__file__).resolve().parent
 ATTENTIONS = ("softmax", "cosine", "fastmax")
@@ -66,23 +70,12 @@ class Run:
 
     @property
     def label(self) -> str:
-        backend = "SDPA" if self.attention == "softmax" else "our kernel" if self.kernel else "PyTorch reference"
-        return f"{self.attention} ({backend})"
-
-
-def int_list(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v.strip()]
-    if not values or min(values) < 1:
-        raise ValueError(text)
-    return values
-
-
-int_list.__name__ = "comma-separated positive int"
+        return VARIANTS[self.attention + ("-kernel" if self.kernel else "")].label
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(options, train.py flags given after --), or exit 2 naming the bad argument."""
-    ours, extra = train.split_train_flags(argv)
+    ours, extra = split_train_flags(argv)
     parser = argparse.ArgumentParser(prog="compare.py", description=__doc__.split("\n\n")[0],
                                      usage="compare.py [options] [-- train.py flags]")
     parser.add_argument("--config", default="configs/base", help="train.py config for every run (default %(default)s)")
@@ -99,7 +92,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--no-kernels", action="store_true",
                         help="run cosine and fastmax on the PyTorch reference even where our kernels can run")
-    parser.add_argument("--wandb-mode", default="auto", choices=train.WANDB_MODES)
+    parser.add_argument("--wandb-mode", default="auto", choices=WANDB_MODES)
     parser.add_argument("--wandb-group", default=None, help="default compare-<date>-<time>; also the runs' folder")
     parser.add_argument("--runs-dir", default="out/compare", help="where the runs' folders go (default %(default)s)")
     parser.add_argument("--out", default="bench/compare", help="report folder (default %(default)s)")
@@ -108,15 +101,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--dry-run", action="store_true", help="print the plan and the commands; run nothing")
     args = parser.parse_args(ours)
 
-    args.attentions = train.choice_list(parser, "--attentions", args.attentions, ATTENTIONS)
-    train.require_positive(parser, args, ("tokens", "tokens_per_step", "evals", "eval_tokens", "time_limit"))
+    args.attentions = choice_list(parser, "--attentions", args.attentions, ATTENTIONS)
+    require_positive(parser, args, ("tokens", "tokens_per_step", "evals", "eval_tokens", "time_limit"))
     if args.tokens % args.tokens_per_step:
         parser.error(f"--tokens: expected a multiple of --tokens-per-step={args.tokens_per_step}, got {args.tokens}")
     bad = [t for t in args.seq_lens if args.tokens_per_step % t]
     if bad:
         parser.error(f"--seq-lens: each must divide --tokens-per-step={args.tokens_per_step} (batch = tokens per "
                      f"step / seq_len), not {', '.join(map(str, bad))}")
-    train.refuse_train_flags(parser, extra, CONTROLLED, "sets it for every run (see its own options)")
+    refuse_train_flags(parser, extra, CONTROLLED, "sets it for every run (see its own options)")
     args.wandb_group = args.wandb_group or time.strftime("compare-%Y%m%d-%H%M%S")
     return args, extra
 
@@ -139,8 +132,8 @@ def plan(args, extra: list[str]) -> tuple[list[Run], str]:
                     "--device", args.device, "--wandb-mode", args.wandb_mode, "--wandb_group", args.wandb_group,
                     "--wandb_tags", f"compare,{attention},T{seq_len}",
                     *(["--data-path", args.data_path] if args.data_path else []), *extra]
-            cfg, _ = train.parse_args(argv)
-            device, dtype = train.setup_device(cfg)
+            cfg, _ = parse_train_args(argv)
+            device, dtype = setup_device(cfg)
             hardware = hardware or (f"{torch.cuda.get_device_name(device)}, {dtype}" if device.type == "cuda"
                                     else f"CPU ({platform.processor() or platform.machine()}), {dtype}")
             kernel, note = False, None
@@ -148,7 +141,7 @@ def plan(args, extra: list[str]) -> tuple[list[Run], str]:
                 if args.no_kernels:
                     note = "--no-kernels"
                 else:
-                    note = train.cuda_kernel_problem(replace(cfg, use_cuda_kernel=True), device, dtype)
+                    note = attention_problem(replace(cfg, use_cuda_kernel=True), device, dtype)
                     kernel = note is None
             name = f"{attention}{'-kernel' if kernel else ''}_T{seq_len}"
             argv += ["--use-cuda-kernel"] * kernel + ["--out_dir", str(Path(args.runs_dir) / args.wandb_group),
@@ -213,14 +206,10 @@ def execute(run: Run, run_dir: Path, log_path: Path, time_limit: float, steps: i
         run.status = f"failed (exit {proc.returncode}): {reason[:200]}"
 
 
-def fmt(value, spec: str) -> str:
-    return "–" if value is None else format(value, spec)
-
-
 def write_report(args, runs: list[Run], hardware: str, command: list[str], out: Path) -> None:
     """compare.md and results.json."""
     steps = args.tokens // args.tokens_per_step
-    cfg, _ = train.parse_args(runs[0].argv)
+    cfg, _ = parse_train_args(runs[0].argv)
     final_eval = ("the whole val split" if cfg.final_eval_max_windows is None
                   else f"{cfg.final_eval_max_windows} val windows")
     budget = {"tokens_per_run": args.tokens, "tokens_per_step": args.tokens_per_step, "steps": steps,

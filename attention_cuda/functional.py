@@ -1,37 +1,24 @@
-"""The public attention functions: validation, shape canonicalisation and backend dispatch.
+"""The public attention functions: validation, canonical shapes, then the plan (plan.py) and its execution.
 
-Layering (as FlashAttention does it): csrc kernels -> torch ops + autograd.Function (_cuda.py) ->
-these functions. The references (reference.py) are plain differentiable PyTorch.
+Layering (as FlashAttention does it): csrc kernels -> torch ops (_extension.py) -> autograd.Functions
+(_kernels.py) -> these functions. The references (reference.py) are plain differentiable PyTorch.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from . import reference
+from . import _extension, _kernels, reference
+from .plan import Plan, Tuning, resolve
 from .score import ScorePolicy, cosine_policy, exp_policy, poly_policy
 
-BACKENDS = ("auto", "torch", "cuda")
-FORMS = ("auto", "quadratic", "linear")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# The kernels compute logits and weights in fp32 whatever the inputs (fp32 accumulators, fp32 scores).
-KERNEL_SCORE_DTYPE = torch.float32
-
-
-def _kernels():
-    """The CUDA extension module, or the reason it cannot be used."""
-    try:
-        from . import _cuda
-    except ImportError as e:  # pragma: no cover - only when the package is broken
-        return None, f"attention_cuda._cuda failed to import: {e}"
-    return _cuda, _cuda.unavailable_reason()
 
 
 def cuda_unavailable_reason() -> str | None:
     """None when the CUDA kernels can run here, else why not (and how to fix it)."""
-    return _kernels()[1]
+    return _extension.unavailable_reason()
 
 
 @dataclass
@@ -111,39 +98,38 @@ def _canonicalize(q, k, v, mask=None, bias=None) -> _Call:
     return _Call(q, k, v, mask, bias, merged)
 
 
-def _use_cuda(call: _Call, causal: bool, policy: ScorePolicy, backend: str, unsupported: str | None) -> bool:
-    """Resolve the backend: "cuda" must work or raise, "auto" takes the kernel when it can."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    if backend == "torch":
-        return False
-    kernels, reason = _kernels()
-    if reason is None and not call.q.is_cuda:
-        reason = f"inputs are on {call.q.device}, the kernels run on CUDA devices"
-    if reason is None:
-        reason = unsupported or kernels.unsupported_reason(call.q, call.k, call.v, call.mask, call.bias,
-                                                           causal, policy)
-    if backend == "cuda" and reason is not None:
-        raise NotImplementedError(f'backend="cuda": {reason}')
-    return reason is None
+POLICIES = {"cosine": cosine_policy, "exp": exp_policy, "fastmax": poly_policy}
 
 
-def _attend(call: _Call, causal: bool, policy: ScorePolicy, backend: str, *, unsupported: str | None = None,
-            dropout: float = 0.0, linear: bool = False) -> torch.Tensor:
-    """Run on the kernels when the backend resolves to them, else on the matching reference, once the
-    policy's logits and weights are known to fit the dtype that backend computes them in."""
-    on_kernels = _use_cuda(call, causal, policy, backend, unsupported)
-    policy.check_range(KERNEL_SCORE_DTYPE if on_kernels else reference.score_dtype(call.q.dtype, linear))
-    if on_kernels:
-        kernels = _kernels()[0]
-        if linear:
-            out = kernels.linear_attention(call.q, call.k, call.v, call.mask, causal, policy)
-        else:
-            out = kernels.attention(call.q, call.k, call.v, call.mask, call.bias, causal, policy)
-    elif linear:
-        out = reference.fastmax_linear(call.q, call.k, call.v, call.mask, causal, policy)
+def plan(family: str, *, device, dtype: torch.dtype, head_dim: int, keys: int, backend: str = "auto",
+         form: str = "quadratic", dropout: float = 0.0, tuning: Tuning | None = None, **options) -> Plan:
+    """The plan a call of the family's function ("cosine", "exp", "fastmax") would run, from the inputs'
+    device, dtype, head dim and key count, with its score options given by name (cosine: scale, l2norm_qk;
+    exp: scale; fastmax: p, a0, a1, a2, temperature, normalize, lim): for FLOP counts, logs and probes."""
+    if family not in POLICIES:
+        raise ValueError(f"family: expected one of {tuple(POLICIES)}, got {family!r}")
+    return resolve(device=torch.device(device), dtype=dtype, head_dim=head_dim, keys=keys,
+                   policy=POLICIES[family](**options), backend=backend, form=form, dropout=dropout, tuning=tuning)
+
+
+def _plan(call: _Call, causal: bool, policy: ScorePolicy, backend: str, form: str = "quadratic",
+          dropout: float = 0.0, tuning: Tuning | None = None) -> Plan:
+    return resolve(device=call.q.device, dtype=call.q.dtype, head_dim=call.q.shape[-1], keys=call.k.shape[2],
+                   policy=policy, backend=backend, form=form, dropout=dropout, tuning=tuning)
+
+
+def _run(plan: Plan, call: _Call, causal: bool, policy: ScorePolicy, dropout: float = 0.0) -> torch.Tensor:
+    """Execute the plan: the kernels or the reference, in its form."""
+    q, k, v, mask = call.q, call.k, call.v, call.mask
+    if plan.backend == "cuda" and plan.form == "linear":
+        out = _kernels.linear_attention(q, k, v, mask, causal, policy, plan.run_dtype, plan.chunk,
+                                        plan.path == "chunked")
+    elif plan.backend == "cuda":
+        out = _kernels.attention(q, k, v, mask, call.bias, causal, policy, plan.run_dtype)
+    elif plan.form == "linear":
+        out = reference.fastmax_linear(q, k, v, mask, causal, policy)
     else:
-        out = reference.quadratic(call.q, call.k, call.v, call.mask, call.bias, causal, policy, dropout)
+        out = reference.quadratic(q, k, v, mask, call.bias, causal, policy, dropout)
     return call.restore(out)
 
 
@@ -158,7 +144,8 @@ def cosine_sim_attention(q, k, v, *, causal=False, mask=None, attn_bias=None, sc
     it is on, on the kernels); its gradient comes back in its own dtype.
     """
     call = _canonicalize(q, k, v, mask, attn_bias)
-    return _attend(call, causal, cosine_policy(scale, l2norm_qk), backend)
+    policy = cosine_policy(scale, l2norm_qk)
+    return _run(_plan(call, causal, policy, backend), call, causal, policy)
 
 
 def exp_attention(q, k, v, *, scale=8.0, causal=False, mask=None, backend="auto"):
@@ -169,31 +156,13 @@ def exp_attention(q, k, v, *, scale=8.0, causal=False, mask=None, backend="auto"
     the kernels) raises ValueError.
     """
     call = _canonicalize(q, k, v, mask)
-    return _attend(call, causal, exp_policy(scale), backend)
-
-
-def fastmax_flops_crossover(dim_head: int, p: int) -> int:
-    """Key count above which the linear form needs fewer FLOPs than the quadratic one.
-
-    Quadratic: ~4·J·D per query (q.k and the weighted sum). Linear: ~4·F·(D+1) per token with
-    F = 1 + D (+ D(D+1)/2) features, so linear wins once J exceeds about F.
-    """
-    return 1 + dim_head + (dim_head * (dim_head + 1) // 2 if p == 2 else 0)
-
-
-def fastmax_linear_from(dim_head: int, p: int, on_kernels: bool, dtype=torch.bfloat16) -> float:
-    """Key count from which form="auto" runs fastmax's linear form: on the kernels the crossover
-    measured per head dim (p = 2; p = 1 is not measured, so never) for the kernels that run dtype
-    there, else the FLOPs crossover."""
-    if on_kernels:
-        from ._cuda import linear_from_keys
-        return linear_from_keys(dim_head, dtype) if p == 2 else math.inf
-    return fastmax_flops_crossover(dim_head, p) + 1
+    policy = exp_policy(scale)
+    return _run(_plan(call, causal, policy, backend), call, causal, policy)
 
 
 def fastmax_attention(q, k, v, *, causal=False, mask=None, p=2, a0=1.0, a1=1.0, a2=0.5,
                       temperature=1.0, normalize=False, lim=1.0, dropout=0.0, backend="auto",
-                      form="auto"):
+                      form="auto", tuning: Tuning | None = None):
     """Polynomial attention: weights f(x) = a0 + a1 x (+ a2 x^2) of x = q.k / temperature, row-normalised.
 
     ``normalize=True`` scales each q and k row to norm ``lim`` first (row by row, so under ``causal``
@@ -205,27 +174,10 @@ def fastmax_attention(q, k, v, *, causal=False, mask=None, p=2, a0=1.0, a1=1.0, 
     the linear form do not implement it). ``form``: "quadratic" materialises weights tile by tile,
     "linear" carries moments of k (O(N) time and memory); "auto" takes the form that was faster on
     the kernels at this head dim and key count (p = 2 only; p = 1 stays quadratic there), and without
-    them the reference's form with fewer FLOPs.
+    them the reference's form with fewer FLOPs (plan.py says which, and why). ``tuning`` replaces the
+    measured crossovers and chunk sizes (plan.TUNING).
     """
     call = _canonicalize(q, k, v, mask)
     policy = poly_policy(p, a0, a1, a2, temperature, normalize, lim)
-    if form not in FORMS:
-        raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout: expected a probability in [0, 1), got {dropout}")
-    if dropout > 0 and form == "linear":
-        raise NotImplementedError("dropout: the linear form cannot drop individual weights; "
-                                  "use form='quadratic' or dropout=0")
-    no_dropout = "dropout: the kernels do not implement dropout (use dropout=0 or backend='torch')"
-    unsupported = no_dropout if dropout > 0 else None
-    if form == "auto":  # dropout exists only in the quadratic form
-        on_kernels = backend != "torch" and _use_cuda(call, causal, policy, "auto", unsupported)
-        linear = call.k.shape[2] >= fastmax_linear_from(call.q.shape[-1], p, on_kernels, call.q.dtype)
-        if on_kernels:  # the linear-form kernels take fp16 and bf16 only
-            linear = linear and _kernels()[0].linear_unsupported_reason(call.q) is None
-        form = "linear" if linear and dropout == 0 else "quadratic"
-    if form == "linear" and unsupported is None:
-        kernels = _kernels()[0]
-        unsupported = kernels.linear_unsupported_reason(call.q) if kernels else None
-    return _attend(call, causal, policy, backend, unsupported=unsupported, dropout=dropout,
-                   linear=form == "linear")
+    plan = _plan(call, causal, policy, backend, form, dropout, tuning)
+    return _run(plan, call, causal, policy, dropout)

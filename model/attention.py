@@ -8,14 +8,16 @@ with it anyway, and position enters only through q.k as it does for softmax).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention_cuda import cosine_sim_attention, fastmax_attention
-from attention_cuda.functional import fastmax_flops_crossover, fastmax_linear_from
+from attention_cuda import cosine_sim_attention, fastmax_attention, plan
+from attention_cuda.plan import fastmax_features
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,38 +37,64 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
+FUNCTIONS = {"cosine": cosine_sim_attention, "fastmax": fastmax_attention}
+SDPA_NAMES = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+
+
+def score_options(cfg) -> dict:
+    """The score options of cfg's family (cosine or fastmax), by attention_cuda's names."""
+    if cfg.attention == "cosine":
+        return dict(scale=cfg.cosine_scale, l2norm_qk=True)
+    return dict(p=cfg.fastmax_p, a0=cfg.fastmax_a0, a1=cfg.fastmax_a1, a2=cfg.fastmax_a2,
+                temperature=cfg.fastmax_temperature, normalize=cfg.fastmax_normalize, lim=cfg.fastmax_lim)
+
+
+def sdpa_attention(q, k, v, *, backend: str, scale: float | None = None, normalize: bool = False):
+    """Causal SDPA on one backend ("auto": PyTorch's pick); with normalize, on l2-normalised q and k, which
+    is cosine-sim attention (softmax(scale l2norm(q) l2norm(k)^T) v) on PyTorch's kernels."""
+    if normalize:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    with contextlib.nullcontext() if backend == "auto" else sdpa_kernel(getattr(SDPBackend, SDPA_NAMES[backend])):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
 def attention_fn(cfg):
     """q (B, H, T, D), k/v (B, Hkv, T, D) -> (B, H, T, D), causal, for the family cfg.attention names."""
     if cfg.attention == "softmax":
-        return functools.partial(F.scaled_dot_product_attention, is_causal=True,
-                                 enable_gqa=cfg.n_kv_head != cfg.n_head)
+        return functools.partial(sdpa_attention, backend=cfg.sdpa_backend)
+    if cfg.cosine_sdpa:
+        return functools.partial(sdpa_attention, backend=cfg.sdpa_backend, scale=cfg.cosine_scale, normalize=True)
     backend = "cuda" if cfg.use_cuda_kernel else "torch"
-    if cfg.attention == "cosine":
-        return functools.partial(cosine_sim_attention, causal=True, scale=cfg.cosine_scale, backend=backend)
-    return functools.partial(fastmax_attention, causal=True, p=cfg.fastmax_p, a0=cfg.fastmax_a0,
-                             a1=cfg.fastmax_a1, a2=cfg.fastmax_a2, temperature=cfg.fastmax_temperature,
-                             normalize=cfg.fastmax_normalize, lim=cfg.fastmax_lim, backend=backend)
+    return functools.partial(FUNCTIONS[cfg.attention], causal=True, backend=backend, **score_options(cfg))
 
 
-def attention_flops_per_token(cfg) -> int:
+def attention_plan(cfg, device, dtype: torch.dtype):
+    """The plan attention_cuda resolves for the model's attention on device, in dtype (the training
+    dtype: autocast's); None for attention on SDPA."""
+    if cfg.attention == "softmax" or cfg.cosine_sdpa:
+        return None
+    return plan(cfg.attention, device=device, dtype=dtype, head_dim=cfg.head_dim, keys=cfg.seq_len,
+                backend="cuda" if cfg.use_cuda_kernel else "torch",
+                form="auto" if cfg.attention == "fastmax" else "quadratic", **score_options(cfg))
+
+
+def attention_flops_per_token(cfg, device, dtype: torch.dtype) -> int:
     """Training FLOPs (forward + backward = 3x forward) per token spent inside attention, all layers.
 
     Counted per layer and head, with D the head dim and T = seq_len:
     - softmax, cosine and fastmax in its quadratic form: q.k^T and the weighted sum of v are
       2·D FLOPs each per (query, key) pair, so 4·D·T forward and 12·D·T for training per token
       (the 12·L·H·D·T of the nanoGPT/PaLM count), halved for causal: 6·D·T.
-    - fastmax in its linear form (what attention_cuda runs from fastmax_linear_from's key count: the
-      PyTorch reference once T exceeds the feature count F = 1 + D (+ D(D+1)/2 for p = 2), the kernels
-      from the crossover measured per head dim): each token adds phi(k) [v, 1]^T to the moments and
-      reads phi(q) against them, 2·F·(D+1) FLOPs each, so 4·F·(D+1) forward and 12·F·(D+1) for training.
-      Causal does not halve it; the small in-chunk band done quadratically is left out.
+    - fastmax in its linear form (as attention_cuda's plan for this config says it runs): each token
+      adds phi(k) [v, 1]^T to the moments and reads phi(q) against them, 2·F·(D+1) FLOPs each with F
+      the feature count, so 4·F·(D+1) forward and 12·F·(D+1) for training. Causal does not halve it;
+      the small in-chunk band done quadratically is left out.
     The element-wise score function (exp, the polynomial) is not counted, as the convention goes.
     """
     head_dim = cfg.head_dim
-    features = fastmax_flops_crossover(head_dim, cfg.fastmax_p)  # F: the feature count
-    linear_from = fastmax_linear_from(head_dim, cfg.fastmax_p, cfg.use_cuda_kernel)
-    if cfg.attention == "fastmax" and cfg.seq_len >= linear_from:
-        per_head = 12 * features * (head_dim + 1)
+    attention = attention_plan(cfg, device, dtype)
+    if attention is not None and attention.form == "linear":
+        per_head = 12 * fastmax_features(head_dim, cfg.fastmax_p) * (head_dim + 1)
     else:
         per_head = 6 * head_dim * cfg.seq_len
     return cfg.n_layer * cfg.n_head * per_head

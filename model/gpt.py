@@ -18,6 +18,7 @@ from model.attention import CausalSelfAttention, attention_flops_per_token, rope
 
 VOCAB_SIZE = 256  # bytes
 ATTENTIONS = ("softmax", "cosine", "fastmax")
+SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 
 
 def check_fields(cfg) -> None:
@@ -48,6 +49,10 @@ class GPTConfig:
     attention: str = option("softmax", "attention family", ATTENTIONS)
     use_cuda_kernel: bool = option(False, "cosine/fastmax on attention_cuda's CUDA kernels instead of its "
                                           "PyTorch reference")
+    cosine_sdpa: bool = option(False, "cosine on PyTorch SDPA over l2-normalised q and k (the same function, "
+                                      "a baseline for our kernels) instead of attention_cuda")
+    sdpa_backend: str = option("auto", "the backend of attention run on SDPA (softmax; cosine with cosine_sdpa); "
+                                       "auto = PyTorch's pick", SDPA_BACKENDS)
     cosine_scale: float = option(10.0, "cosine: the fixed logit scale applied to l2norm(q).l2norm(k)")
     fastmax_p: int = option(2, "fastmax: polynomial degree", (1, 2))
     fastmax_a0: float = option(1.0, "fastmax: f(x) = a0 + a1 x + a2 x^2")
@@ -75,6 +80,12 @@ class GPTConfig:
         if self.use_cuda_kernel and self.attention == "softmax":
             raise ValueError("use_cuda_kernel: softmax always runs on PyTorch's fused SDPA kernels; "
                              "the flag selects our kernels for attention='cosine' or 'fastmax'")
+        if self.cosine_sdpa and (self.attention != "cosine" or self.use_cuda_kernel):
+            raise ValueError("cosine_sdpa: runs attention='cosine' on SDPA, so it takes neither another attention "
+                             f"(got {self.attention!r}) nor use_cuda_kernel")
+        if self.sdpa_backend != "auto" and not (self.attention == "softmax" or self.cosine_sdpa):
+            raise ValueError(f"sdpa_backend: {self.sdpa_backend!r} applies to attention run on SDPA (softmax, or "
+                             "cosine with cosine_sdpa)")
         if not self.cosine_scale > 0:
             raise ValueError(f"cosine_scale: expected > 0, got {self.cosine_scale}")
         if not self.rope_base > 1:
@@ -159,9 +170,10 @@ class GPT(nn.Module):
         """Parameters counted once (the tied embedding is one matrix)."""
         return sum(p.numel() for p in self.parameters())
 
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6·N for the weights (forward 2·N, backward 4·N) plus attention."""
-        return 6 * self.num_params() + attention_flops_per_token(self.cfg)
+    def flops_per_token(self, dtype: torch.dtype) -> int:
+        """Training FLOPs per token, training in dtype on the model's device: 6·N for the weights (forward
+        2·N, backward 4·N) plus attention."""
+        return 6 * self.num_params() + attention_flops_per_token(self.cfg, self.wte.weight.device, dtype)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"):
         """logits (B, T, 256) and the loss in nats: mean over tokens, or per token (B, T) with

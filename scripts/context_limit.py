@@ -38,12 +38,13 @@ sys.path.insert(0, str(ROOT))  # train.py and the model live at the repository r
 
 import torch  # noqa: E402
 
-import train  # noqa: E402
-from compare import fmt  # noqa: E402
+from lab.cli import choice_list, fmt, out_of_memory, refuse_train_flags, require_positive, split_train_flags  # noqa: E402
+from lab.config import TrainConfig  # noqa: E402
+from lab.config import parse_args as parse_train_args  # noqa: E402
+from lab.steps import autocast_for, make_optimizer, peak_memory_gib, setup_device, train_step  # noqa: E402
 from model import GPT  # noqa: E402
+from model.variants import VARIANTS  # noqa: E402
 
-VARIANTS = {"softmax": ("softmax", False), "cosine": ("cosine", False), "cosine-kernel": ("cosine", True),
-            "fastmax": ("fastmax", False), "fastmax-kernel": ("fastmax", True)}
 # The PyTorch references hold T x T scores and fail early: they go first, so a --time-limit spent on
 # the slow long-context attempts of the others still leaves their results.
 DEFAULT_VARIANTS = "cosine,fastmax,softmax,cosine-kernel,fastmax-kernel"
@@ -77,35 +78,33 @@ def search(fits: Callable[[int], bool], start: int, max_seq_len: int, granularit
 
 
 def train_argv(variant: str, seq_len: int, device: str, extra: list[str]) -> list[str]:
-    attention, kernel = VARIANTS[variant]
-    return ["--attention", attention, "--seq_len", str(seq_len), "--batch_size", "1", "--device", device,
-            *(["--use-cuda-kernel"] if kernel else []), *extra]
+    return [*VARIANTS[variant].flags(), "--seq_len", str(seq_len), "--batch_size", "1", "--device", device, *extra]
 
 
-def one_step(cfg: train.TrainConfig, memory_cap_gib: float | None) -> dict:
+def one_step(cfg: TrainConfig, memory_cap_gib: float | None) -> dict:
     """This process's attempt: the step's outcome, peak memory and time, and the hardware it ran on."""
-    device, dtype = train.setup_device(cfg)
+    device, dtype = setup_device(cfg)
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     if memory_cap_gib is not None and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap_gib * 2**30 / total), device)
-    autocast = train.autocast_for(device, dtype)
+    autocast = autocast_for(device, dtype)
     result = {"hardware": hardware, "dtype": str(dtype).removeprefix("torch.")}
-    peak_before = train.peak_memory_gib(device)
+    peak_before = peak_memory_gib(device)
     try:
         torch.manual_seed(cfg.seed)
         model = GPT(cfg.model_config()).to(device)
-        optimizer = train.make_optimizer(model, cfg, device)
+        optimizer = make_optimizer(model, cfg, device)
         # What a step costs does not depend on which bytes it sees.
         x, y = torch.randint(0, 256, (2, 1, cfg.seq_len), device=device)
         for n in (1, cfg.seq_len):  # the step on one byte allocates AdamW's state
             t0 = time.perf_counter()
-            train.train_step(model, optimizer, x[:, :n], y[:, :n], cfg, autocast)
+            train_step(model, optimizer, x[:, :n], y[:, :n], cfg, autocast)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
     except torch.OutOfMemoryError as err:
-        return {**result, **train.out_of_memory(err)}
-    peak = train.peak_memory_gib(device)
+        return {**result, **out_of_memory(err)}
+    peak = peak_memory_gib(device)
     result.update(step_s=time.perf_counter() - t0, peak_mem_gib=peak, step_mem_gib=peak - peak_before)
     if memory_cap_gib is not None and device.type == "cpu" and result["step_mem_gib"] > memory_cap_gib:
         return {**result, "ok": False, "reason": "out of memory",
@@ -139,7 +138,7 @@ def attempt(variant: str, seq_len: int, args, extra: list[str], timeout: float) 
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    ours, extra = train.split_train_flags(argv)
+    ours, extra = split_train_flags(argv)
     parser = argparse.ArgumentParser(prog="context_limit.py", description=__doc__.split("\n\n")[0],
                                      usage="context_limit.py [options] [-- train.py flags]")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma list of {', '.join(VARIANTS)}")
@@ -156,8 +155,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--out", default=str(ROOT / "bench" / "context_limit"), help="writes OUT.json and OUT.md")
     parser.add_argument("--attempt", type=int, default=None, metavar="SEQ_LEN", help=argparse.SUPPRESS)
     args = parser.parse_args(ours)
-    args.variants = train.choice_list(parser, "--variants", args.variants, VARIANTS)
-    train.require_positive(parser, args, ("start", "max_seq_len", "granularity", "timeout", "time_limit",
+    args.variants = choice_list(parser, "--variants", args.variants, VARIANTS)
+    require_positive(parser, args, ("start", "max_seq_len", "granularity", "timeout", "time_limit",
                                           "memory_cap_gib"))
     for name in ("start", "max_seq_len"):
         if getattr(args, name) % args.granularity:
@@ -167,7 +166,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"--start: expected <= --max-seq-len={args.max_seq_len}, got {args.start}")
     if not 0 <= args.rel_tolerance < 1:
         parser.error(f"--rel-tolerance: expected in [0, 1), got {args.rel_tolerance}")
-    train.refuse_train_flags(parser, extra, ("attention", "seq_len", "batch_size", "device", "use_cuda_kernel"),
+    refuse_train_flags(parser, extra, ("attention", "seq_len", "batch_size", "device", "use_cuda_kernel"),
                              "sets it for each attempt")
     return args, extra
 
@@ -183,7 +182,7 @@ def write_report(args, extra: list[str], attempts: dict[str, list[dict]], stoppe
                  command: list[str]) -> None:
     """OUT.json (every attempt) and OUT.md (a row per variant, then every attempt)."""
     ran = next((a for tries in attempts.values() for a in tries if "hardware" in a), {})
-    cfg, _ = train.parse_args(train_argv(args.variants[0], args.start, args.device, extra))
+    cfg, _ = parse_train_args(train_argv(args.variants[0], args.start, args.device, extra))
     model = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_kv_head", "n_embd")}
     rule = (f"lengths doubling from {args.start:,} up to {args.max_seq_len:,}, then bisection to within "
             f"max({args.granularity:,}, {args.rel_tolerance:g} × the limit), multiples of {args.granularity:,}")
@@ -236,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, extra = parse_args(argv)
     if args.attempt is not None:
-        cfg, _ = train.parse_args(train_argv(args.variants[0], args.attempt, args.device, extra))
+        cfg, _ = parse_train_args(train_argv(args.variants[0], args.attempt, args.device, extra))
         print(json.dumps(one_step(cfg, args.memory_cap_gib)))
         return 0
 

@@ -57,7 +57,7 @@ if step sanitizer; then
   # a tensor's end is outside an allocation.
   case='
 import torch
-from attention_cuda import _cuda, cosine_sim_attention, exp_attention, fastmax_attention
+from attention_cuda import Tuning, cosine_sim_attention, exp_attention, fastmax_attention
 torch.manual_seed(0)
 for dt, d in ((torch.bfloat16, 64), (torch.float16, 128), (torch.float32, 32)):
     q = torch.randn(2, 4, 70, d, device="cuda", dtype=dt, requires_grad=True)
@@ -70,9 +70,10 @@ for dt, d in ((torch.bfloat16, 64), (torch.float16, 128), (torch.float32, 32)):
             fastmax_attention(q, k, v, causal=True, normalize=True, form="quadratic", backend="cuda")]
     if dt != torch.float32:  # the linear form (fp16/bf16): 150 keys make two chunks of moments, on the
         for rows in (0, 128):  # sweep and (sm_90a) on the chunked kernels
-            _cuda.CHUNKED_ROWS = rows
-            outs += [fastmax_attention(q, k, v, causal=True, form="linear", backend="cuda"),
-                     fastmax_attention(q, k, v, mask=mask, temperature=8.0, form="linear", backend="cuda")]
+            tuning = Tuning(chunked_rows=rows)
+            outs += [fastmax_attention(q, k, v, causal=True, form="linear", backend="cuda", tuning=tuning),
+                     fastmax_attention(q, k, v, mask=mask, temperature=8.0, form="linear", backend="cuda",
+                                       tuning=tuning)]
     torch.autograd.grad(sum(o.float().sum() for o in outs), (q, k, v, bias))
 torch.cuda.synchronize()
 print("sanitizer case ran")

@@ -7,19 +7,14 @@
 
 Every variant trains the same model (train.py's config and flags after --) on the same random bytes with
 the same optimizer, clipping and autocast as train.py, so the ratios between rows are the attentions' own.
-A step holds --tokens-per-step tokens (batch = tokens_per_step / seq_len). Variants:
-  softmax          SDPA as the model calls it (PyTorch picks the backend)
-  softmax-cudnn    SDPA restricted to the cuDNN backend
-  cosine-sdpa      cosine-sim as SDPA on l2-normalised q, k (scale = cosine_scale), cuDNN backend:
-                   the baseline a user would build without our kernels
-  cosine, fastmax  the PyTorch references; cosine-kernel, fastmax-kernel: our CUDA kernels
-A variant that fails at a length (out of memory, or a refusal) is recorded with the reason and the rest go
+A step holds --tokens-per-step tokens (batch = tokens_per_step / seq_len). Variants are model/variants.py's:
+cosine-sdpa, cosine-sim as SDPA on l2-normalised q, k on cuDNN, is the baseline a user would build without
+our kernels. A variant that fails at a length (out of memory, or a refusal) is recorded with the reason and the rest go
 on. Timing: --warmup steps, then --steps steps between two synchronisations. Writes OUT.json and OUT.md.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import time
@@ -29,57 +24,28 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # train.py and the model live at the repository root
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-import train  # noqa: E402
-from compare import int_list  # noqa: E402
+from lab.cli import choice_list, int_list, out_of_memory, require_positive, split_train_flags  # noqa: E402
+from lab.config import TrainConfig, parse_args  # noqa: E402
+from lab.steps import autocast_for, attention_problem, make_optimizer, peak_memory_gib, setup_device, train_step  # noqa: E402
 from model import GPT  # noqa: E402
+from model.variants import VARIANTS  # noqa: E402
 
-# variant -> (cfg.attention, use_cuda_kernel, SDPA backend forced on the attention, normalise q and k first)
-VARIANTS = {"softmax": ("softmax", False, None, False),
-            "softmax-cudnn": ("softmax", False, SDPBackend.CUDNN_ATTENTION, False),
-            "cosine-sdpa": ("cosine", False, SDPBackend.CUDNN_ATTENTION, True),
-            "cosine": ("cosine", False, None, False),
-            "cosine-kernel": ("cosine", True, None, False),
-            "fastmax": ("fastmax", False, None, False),
-            "fastmax-kernel": ("fastmax", True, None, False)}
 DEFAULT_VARIANTS = "softmax,softmax-cudnn,cosine-sdpa,cosine-kernel,fastmax-kernel"
 
-
-def sdpa_attention(q, k, v, *, backend, scale=None, normalize=False):
-    """Causal SDPA on one backend (the math one on CPU, where the fused ones do not exist)."""
-    if normalize:
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-    gqa = q.shape[1] != k.shape[1]
-    with sdpa_kernel([backend] if q.is_cuda else [SDPBackend.MATH]):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-
-
-def build_model(variant: str, cfg: train.TrainConfig, device) -> GPT:
-    _, _, backend, normalize = VARIANTS[variant]
-    model = GPT(cfg.model_config()).to(device)
-    if backend is not None:
-        attend = functools.partial(sdpa_attention, backend=backend, normalize=normalize,
-                                   scale=cfg.cosine_scale if normalize else None)
-        for block in model.blocks:
-            block.attn.attend = attend
-    return model
-
-
-def measure(variant: str, cfg: train.TrainConfig, device, dtype, warmup: int, steps: int) -> dict:
+def measure(cfg: TrainConfig, device, dtype, warmup: int, steps: int) -> dict:
     """tokens/s and peak memory of `steps` training steps after `warmup` ones."""
-    autocast = train.autocast_for(device, dtype)
+    autocast = autocast_for(device, dtype)
     torch.manual_seed(cfg.seed)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    model = build_model(variant, cfg, device)
-    optimizer = train.make_optimizer(model, cfg, device)
+    model = GPT(cfg.model_config()).to(device)
+    optimizer = make_optimizer(model, cfg, device)
     x, y = torch.randint(0, 256, (2, cfg.batch_size, cfg.seq_len), device=device)
 
     def step():
-        train.train_step(model, optimizer, x, y, cfg, autocast)
+        train_step(model, optimizer, x, y, cfg, autocast)
 
     def sync():
         if device.type == "cuda":
@@ -94,22 +60,20 @@ def measure(variant: str, cfg: train.TrainConfig, device, dtype, warmup: int, st
     sync()
     seconds = (time.perf_counter() - t0) / steps
     return {"ok": True, "step_ms": 1e3 * seconds, "tokens_per_s": cfg.batch_size * cfg.seq_len / seconds,
-            "peak_mem_gib": train.peak_memory_gib(device)}
+            "peak_mem_gib": peak_memory_gib(device)}
 
 
 def run_one(variant: str, seq_len: int, args, extra: list[str], device, dtype) -> dict:
-    attention, kernel, _, _ = VARIANTS[variant]
     batch = max(1, args.tokens_per_step // seq_len)
-    argv = [*extra, "--attention", attention, "--seq_len", str(seq_len), "--batch_size", str(batch)]
-    cfg, _ = train.parse_args(argv + (["--use-cuda-kernel"] if kernel else []))
+    cfg, _ = parse_args([*extra, *VARIANTS[variant].flags(), "--seq_len", str(seq_len), "--batch_size", str(batch)])
     record = {"variant": variant, "seq_len": seq_len, "batch_size": batch}
-    problem = train.cuda_kernel_problem(cfg, device, dtype) if kernel else None
+    problem = attention_problem(cfg, device, dtype)
     if problem is not None:
         return {**record, "ok": False, "reason": "refused", "detail": problem}
     try:
-        return {**record, **measure(variant, cfg, device, dtype, args.warmup, args.steps)}
+        return {**record, **measure(cfg, device, dtype, args.warmup, args.steps)}
     except torch.OutOfMemoryError as err:
-        return {**record, **train.out_of_memory(err)}
+        return {**record, **out_of_memory(err)}
 
 
 def write_report(results: list[dict], args, extra: list[str], hardware: str, out: Path) -> None:
@@ -142,7 +106,7 @@ def write_report(results: list[dict], args, extra: list[str], hardware: str, out
 
 
 def main(argv: list[str] | None = None) -> int:
-    ours, extra = train.split_train_flags(sys.argv[1:] if argv is None else argv)
+    ours, extra = split_train_flags(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="throughput.py", description=__doc__.split("\n\n")[0],
                                      usage="throughput.py [options] [-- train.py flags]")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma list of {', '.join(VARIANTS)}")
@@ -154,12 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=str(ROOT / "bench" / "throughput"), help="writes OUT.json and OUT.md")
     args = parser.parse_args(ours)
-    variants = train.choice_list(parser, "--variants", args.variants, VARIANTS)
-    train.require_positive(parser, args, ("tokens_per_step", "steps"))
+    variants = choice_list(parser, "--variants", args.variants, VARIANTS)
+    require_positive(parser, args, ("tokens_per_step", "steps"))
     if not extra or "--config" not in extra:
         extra = ["--config", "configs/base", *extra]
-    cfg, _ = train.parse_args([*extra, "--device", args.device])
-    device, dtype = train.setup_device(cfg)
+    cfg, _ = parse_args([*extra, "--device", args.device])
+    device, dtype = setup_device(cfg)
     extra = [*extra, "--device", str(device)]
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     results = []

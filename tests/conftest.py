@@ -3,6 +3,7 @@ import torch
 import wandb
 
 import train
+from attention_cuda import _extension
 from helpers import ENWIK8_4MB, TINY
 
 
@@ -42,3 +43,17 @@ def run(tmp_path, monkeypatch, data_path):
     wandb.teardown()
     yield go
     wandb.teardown()
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    """Plans made as on a CUDA GPU with every kernel built (chunked: the head dims the Hopper chunked
+    kernels take; set fake_kernels.chunked = () for an sm_80 GPU). Only plans: nothing runs on them."""
+    monkeypatch.setattr(_extension, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(_extension, "compiled_head_dims", lambda dtype: _extension.HEAD_DIMS)
+
+    class Chunked:
+        chunked = (64, 128)
+
+    monkeypatch.setattr(_extension, "chunked_head_dims", lambda dtype: Chunked.chunked)
+    return Chunked

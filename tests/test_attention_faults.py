@@ -11,9 +11,10 @@ import zlib
 import pytest
 import torch
 
-from attention_cuda import _cuda, cosine_sim_attention, exp_attention, fastmax_attention, functional, reference
+import attention_cuda
+from attention_cuda import _kernels, cosine_sim_attention, exp_attention, fastmax_attention, reference
 from attention_cuda.score import check_poly_coefficients, poly_policy
-from test_cuda_linear import path  # noqa: F401 - the fixture: which kernels carry the linear form's moments
+from test_cuda_linear import path, tuning_for  # noqa: F401 - path: the fixture naming which kernels carry the moments
 
 F64 = torch.float64
 D = 8
@@ -159,14 +160,14 @@ def test_a_garbage_query_reaches_only_its_own_row(family):
 
 
 def test_the_kernels_value_shift_skips_masked_and_non_finite_values():
-    """The linear-form kernels take values less their mean (_cuda._value_mean): a NaN in it would reach
+    """The linear-form kernels take values less their mean (_kernels._value_mean): a NaN in it would reach
     every row, whatever the mask and the causal limit say."""
     v = torch.randn(2, 1, 5, 4)
     mask = torch.tensor([[True, True, False, True, True], [True] * 5])
     bad = v.clone()
     bad[0, 0, 2] = math.nan   # masked
     bad[1, 0, 4, 1] = math.inf  # kept: the mean is taken over the finite values
-    mu = _cuda._value_mean(bad, mask)
+    mu = _kernels._value_mean(bad, mask)
     torch.testing.assert_close(mu[0], v[0, :, [0, 1, 3, 4]].mean(1))
     torch.testing.assert_close(mu[1, 0, [0, 2, 3]], v[1, 0, :, [0, 2, 3]].mean(0))
     torch.testing.assert_close(mu[1, 0, 1], v[1, 0, :4, 1].mean())
@@ -190,7 +191,7 @@ GPU_CASES = {
 GPU_POISONS = ["v_nan", "v_inf", "k_nan"]
 # Known: a kept key's garbage reaches the rows of its diagonal tile that cannot see it, as the tiled
 # kernels' products multiply their zero weights into its K and V rows (P V in the forward, dO V^T and dS K
-# in the backward; 0 * NaN = NaN). Masked keys are zeroed before the kernels (_cuda.attention), so padding
+# in the backward; 0 * NaN = NaN). Masked keys are zeroed before the kernels (_kernels.attention), so padding
 # is safe. Strict, so that a fix shows up as XPASS and the marker goes.
 KERNELS_LEAK = pytest.mark.xfail(strict=True, reason="a kept key's garbage reaches rows of its diagonal tile "
                                  "that cannot see it (fwd.cuh P V, bwd.cuh dP and dQ)")
@@ -234,7 +235,8 @@ def test_kernels_keep_garbage_in_the_rows_that_see_it(family, case, poison):
 def test_linear_form_kernels_keep_garbage_in_the_rows_that_see_it(case, poison, path):
     """Masked keys are zero rows in the moments and the diagonal blocks (lin_rows) and stay out of the value
     shift; a kept key past a row's causal limit reaches the diagonal blocks on the tiled kernels."""
-    check_garbage_on_kernels(GPU_FAMILIES["fastmax_linear"], case, *POISONS[poison])
+    call = GPU_FAMILIES["fastmax_linear"]
+    check_garbage_on_kernels(lambda *a, **kw: call(*a, tuning=tuning_for(path), **kw), case, *POISONS[poison])
 
 
 # --- settings whose logits or weights overflow the dtype they are computed in ---------------------------
@@ -270,7 +272,7 @@ def test_overflowing_settings_are_refused_before_any_work(monkeypatch, call, dty
         call(torch.randn(1, 2, 5, 8, dtype=dtype))
 
 
-def test_the_range_rule_follows_the_dtype_scores_are_computed_in(monkeypatch):
+def test_the_range_rule_follows_the_dtype_scores_are_computed_in(fake_kernels):
     """fp16 inputs: the quadratic reference computes logits in fp16, its linear form and the kernels in
     fp32, so the same settings are refused on the first and taken by the others; settings at the rule's
     edge still give finite outputs."""
@@ -281,17 +283,11 @@ def test_the_range_rule_follows_the_dtype_scores_are_computed_in(monkeypatch):
     assert torch.isfinite(fastmax_attention(x, x, x, form="linear", backend="torch", **hot)).all()
     assert torch.isfinite(cosine_sim_attention(x.float(), x.float(), x.float(), scale=1e38, backend="torch")).all()
 
-    from types import SimpleNamespace
-    ran = []
-    fake = SimpleNamespace(unavailable_reason=lambda: None, unsupported_reason=lambda *a: None,
-                           attention=lambda q, *a: ran.append(a[-1]) or q)
-    monkeypatch.setattr(functional, "_kernels", lambda: (fake, None))
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    cosine_sim_attention(x, x, x, scale=1e5, backend="cuda")
-    fastmax_attention(x, x, x, form="quadratic", backend="cuda", **hot)
-    assert [p.kind for p in ran] == ["cosine", "poly"]
+    on_kernels = dict(device="cuda", dtype=torch.float16, head_dim=16, keys=5, backend="cuda")
+    assert attention_cuda.plan("cosine", scale=1e5, l2norm_qk=True, **on_kernels).score_dtype == torch.float32
+    assert attention_cuda.plan("fastmax", p=2, a0=1.0, a1=1.0, a2=0.5, **hot, **on_kernels).backend == "cuda"
     with pytest.raises(ValueError, match=r"scale: 1e\+39 overflows torch\.float32"):
-        cosine_sim_attention(x, x, x, scale=1e39, backend="cuda")
+        attention_cuda.plan("cosine", scale=1e39, l2norm_qk=True, **on_kernels)
 
 
 def test_policies_without_inputs_need_no_dtype():

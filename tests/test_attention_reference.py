@@ -6,6 +6,7 @@ import zlib
 import pytest
 import torch
 
+import attention_cuda
 from attention_cuda import FastMultiHeadAttention, cosine_sim_attention, exp_attention, fastmax_attention
 
 F64 = torch.float64
@@ -168,12 +169,13 @@ def test_fastmax_linear_form_chunks_and_fp32_state():
 
 
 def test_fastmax_auto_form_picks_linear_for_long_sequences(monkeypatch):
-    from attention_cuda import functional, reference
+    from attention_cuda import reference
+    from attention_cuda.plan import fastmax_features
     picked = []
     monkeypatch.setattr(reference, "fastmax_linear", lambda *a, **kw: picked.append("linear") or a[0])
     monkeypatch.setattr(reference, "quadratic", lambda *a, **kw: picked.append("quadratic") or a[0])
     d = 4
-    cross = functional.fastmax_flops_crossover(d, 2)
+    cross = fastmax_features(d, 2)
     for n in (cross, cross + 1):
         x = torch.randn(1, 1, n, d)
         fastmax_attention(x, x, x, backend="torch")
@@ -280,44 +282,48 @@ def test_bias_shape_and_backend_errors():
     torch.testing.assert_close(cosine_sim_attention(x, x, x), cosine_sim_attention(x, x, x, backend="torch"))
 
 
-def test_fastmax_crossover_is_the_chunked_kernels_where_they_run(monkeypatch):
+def test_fastmax_crossover_is_the_chunked_kernels_where_they_run(fake_kernels):
     """The key count from which "auto" takes the linear form: the chunked kernels' own crossover where
-    they run (Hopper, d64 and d128), the sweep's elsewhere; p = 1 never."""
-    from attention_cuda import _cuda
-    from attention_cuda.functional import fastmax_linear_from
-    monkeypatch.setattr(_cuda, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(_cuda, "_chunked_form", lambda dtype, d: d in (64, 128))
-    assert fastmax_linear_from(64, 2, True) == _cuda.CHUNKED_FROM_KEYS[64] < _cuda.LINEAR_FROM_KEYS[64]
-    assert fastmax_linear_from(32, 2, True) == _cuda.LINEAR_FROM_KEYS[32]
-    assert fastmax_linear_from(64, 1, True) == math.inf
-    monkeypatch.setattr(_cuda, "_chunked_form", lambda dtype, d: False)  # an sm_80 GPU
-    assert fastmax_linear_from(128, 2, True) == _cuda.LINEAR_FROM_KEYS[128]
+    they run (Hopper, d64 and d128), the sweep's elsewhere; p = 1 never; the FLOPs crossover without them."""
+    from attention_cuda.plan import TUNING, fastmax_features, linear_from_keys
+    bf16 = torch.bfloat16
+    assert linear_from_keys(64, 2, bf16, True)[0] == TUNING.chunked_from_keys[64] < TUNING.sweep_from_keys[64]
+    assert linear_from_keys(32, 2, bf16, True)[0] == TUNING.sweep_from_keys[32]
+    assert linear_from_keys(64, 1, bf16, True)[0] == math.inf
+    assert linear_from_keys(64, 2, bf16, False)[0] == fastmax_features(64, 2) + 1
+    fake_kernels.chunked = ()  # an sm_80 GPU
+    assert linear_from_keys(128, 2, bf16, True)[0] == TUNING.sweep_from_keys[128]
 
 
-def test_fastmax_auto_form_on_the_kernels_follows_the_measured_crossover(monkeypatch):
+FASTMAX = dict(p=2, a0=1.0, a1=1.0, a2=0.5, temperature=1.0, normalize=False, lim=1.0)
+
+
+def fastmax_plan(keys, head_dim=16, dtype=torch.bfloat16, **kwargs):
+    return attention_cuda.plan("fastmax", device="cuda", dtype=dtype, head_dim=head_dim, keys=keys,
+                               **{"form": "auto", **FASTMAX, **kwargs})
+
+
+def test_fastmax_auto_form_on_the_kernels_follows_the_measured_crossover(fake_kernels):
     """Where the kernels run, "auto" takes their linear form from the key count measured per head dim
-    (p = 2, fp16/bf16), else their tiled quadratic form; form="linear" reaches the linear-form kernel,
-    whose limits raise."""
-    from types import SimpleNamespace
-
-    from attention_cuda import _cuda, functional
-    calls = []
-    fake = SimpleNamespace(unavailable_reason=lambda: None, unsupported_reason=lambda *a: None,
-                           linear_unsupported_reason=_cuda.linear_unsupported_reason,
-                           attention=lambda q, k, v, mask, bias, causal, policy: calls.append("quadratic") or q,
-                           linear_attention=lambda q, k, v, mask, causal, policy: calls.append("linear") or q)
-    monkeypatch.setattr(functional, "_kernels", lambda: (fake, None))
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    cross = _cuda.LINEAR_FROM_KEYS[16]
-    short, long = (torch.randn(1, 1, n, 16, dtype=torch.bfloat16) for n in (cross - 1, cross))
-    fastmax_attention(short, short, short, causal=True)
-    fastmax_attention(long, long, long, causal=True)
-    fastmax_attention(long, long, long, causal=True, backend="cuda")
-    fastmax_attention(long, long, long, causal=True, p=1, normalize=True)  # p = 1: not measured
-    fastmax_attention(long.float(), long.float(), long.float(), causal=True)  # no fp32 linear kernel
-    fastmax_attention(short, short, short, causal=True, backend="cuda", form="linear")
-    assert calls == ["quadratic", "linear", "linear", "quadratic", "quadratic", "linear"]
+    (p = 2, fp16/bf16), else their tiled quadratic form; form="linear" reaches the linear-form kernels,
+    whose limits raise; keys that fit one chunk run as one tiled block. Each decision says why."""
+    from attention_cuda.plan import TUNING
+    cross = TUNING.sweep_from_keys[16]
+    assert fastmax_plan(cross - 1).form == "quadratic"
+    linear = fastmax_plan(cross)
+    assert (linear.backend, linear.form, linear.path, linear.chunk) == ("cuda", "linear", "sweep", TUNING.sweep_rows)
+    assert "measured crossover" in str(linear) and "bench/" in str(linear)
+    assert fastmax_plan(cross, backend="cuda").form == "linear"
+    assert fastmax_plan(cross, p=1, a2=0.0, normalize=True).form == "quadratic"  # p = 1: not measured
+    assert fastmax_plan(cross, dtype=torch.float32).form == "quadratic"  # no fp32 linear kernel
+    chunked = fastmax_plan(2 * TUNING.chunked_from_keys[64], head_dim=64)
+    assert (chunked.path, chunked.chunk) == ("chunked", TUNING.chunked_rows)
+    small = fastmax_plan(100, backend="cuda", form="linear")
+    assert (small.form, small.path) == ("quadratic", "tiled") and "fit one sweep chunk" in str(small)
+    tuned = fastmax_plan(2 * TUNING.chunked_from_keys[64], head_dim=64, tuning=attention_cuda.Tuning(chunked_rows=0))
+    assert tuned.path == "sweep"
     with pytest.raises(NotImplementedError, match="float16 and bfloat16"):
-        fastmax_attention(short.float(), short.float(), short.float(), backend="cuda", form="linear")
+        fastmax_plan(cross, dtype=torch.float32, backend="cuda", form="linear")
     with pytest.raises(NotImplementedError, match="dropout"):
-        fastmax_attention(short, short, short, backend="cuda", dropout=0.1)
+        fastmax_plan(cross, backend="cuda", dropout=0.1)
+    assert fastmax_plan(cross, dropout=0.1).backend == "torch"

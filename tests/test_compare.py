@@ -7,7 +7,7 @@ import shlex
 import pytest
 
 import compare
-import train
+from lab.config import parse_args
 from helpers import REPO
 
 spec = importlib.util.spec_from_file_location("context_limit", REPO / "scripts" / "context_limit.py")
@@ -61,7 +61,7 @@ def test_dry_run_gives_every_length_the_same_tokens_per_step_and_steps(tmp_path,
                          "--tokens", "65536", "--tokens-per-step", "2048", "--out", str(tmp_path / "report")]) == 0
     commands = [line for line in capsys.readouterr().out.splitlines() if line.startswith("python train.py ")]
     assert len(commands) == 9
-    configs = [train.parse_args(shlex.split(line)[2:])[0] for line in commands]
+    configs = [parse_args(shlex.split(line)[2:])[0] for line in commands]
     assert {(c.batch_size * c.seq_len, c.max_iters, c.warmup_iters, c.seed) for c in configs} == {(2048, 32, 3, 1337)}
     assert sorted({c.seq_len for c in configs}) == [128, 256, 512]
     assert not (tmp_path / "report").exists()
@@ -82,7 +82,7 @@ def test_compare_bad_arguments_are_usage_errors(capsys, args, expected):
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--variants", "cosine,linear"], "--variants: expected a comma list of softmax, cosine"),
+    (["--variants", "cosine,linear"], "--variants: expected a comma list of softmax, softmax-cudnn, cosine"),
     (["--granularity", "0"], "--granularity: expected > 0, got 0"),
     (["--memory-cap-gib", "-1"], "--memory-cap-gib: expected > 0, got -1.0"),
     (["--start", "1536"], "--start: expected a multiple of --granularity=1024"),

@@ -7,7 +7,7 @@ sweep's plus 1e-3; end to end, through fastmax_attention, both meet the FA rule 
 import pytest
 import torch
 
-from attention_cuda._cuda import _image_scale
+from attention_cuda._kernels import _image_scale
 
 pytestmark = pytest.mark.gpu
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 def ops():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from attention_cuda._cuda import unavailable_reason
+    from attention_cuda._extension import unavailable_reason
     if unavailable_reason() is not None or not torch.ops.attn_cuda.chunked_head_dims(torch.bfloat16):
         pytest.skip("chunked linear-form kernels not built for this device")
     return torch.ops.attn_cuda

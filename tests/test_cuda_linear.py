@@ -14,23 +14,23 @@ import math
 import pytest
 import torch
 
-import attention_cuda._cuda as cuda_mod
-from attention_cuda import fastmax_attention
+from attention_cuda import Tuning, _extension, fastmax_attention
 from test_cuda_kernels import SHAPES, compare, make_case, peak_extra_bytes
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(params=["sweep", "chunked"])
-def path(request, monkeypatch):
+def path(request):
     """Which kernels carry the moments; "chunked" skips where they are not built or not on Hopper."""
-    if request.param == "sweep":
-        monkeypatch.setattr(cuda_mod, "CHUNKED_ROWS", 0)
-    else:
-        if cuda_mod.unavailable_reason() is not None or not torch.ops.attn_cuda.chunked_head_dims(torch.bfloat16):
-            pytest.skip("chunked linear-form kernels not built for this device")
-        monkeypatch.setattr(cuda_mod, "CHUNKED_ROWS", 256)
+    if request.param == "chunked" and not _extension.chunked_head_dims(torch.bfloat16):
+        pytest.skip("chunked linear-form kernels not built for this device")
     return request.param
+
+
+def tuning_for(path):
+    """The sweep alone, or the chunked kernels in 256-row chunks, so that these lengths cross them."""
+    return Tuning(chunked_rows=0 if path == "sweep" else 256)
 
 
 def needs(path, d):
@@ -40,13 +40,13 @@ def needs(path, d):
 LINEAR_SHAPES = SHAPES + [(1, 2, 1, 300, 300), (2, 2, 2, 129, 385), (3, 2, 2, 300, 150)]
 
 
-def fastmax(p, **fixed):
+def fastmax(p, path, **fixed):
     if p == 1:  # f = a0 + a1 x is nonnegative only on bounded logits
         fixed = dict(fixed, normalize=True, lim=1.0, temperature=1.0)
 
     def call(q, k, v, backend, **kw):
         form = "linear" if backend == "cuda" else "quadratic"
-        return fastmax_attention(q, k, v, p=p, form=form, backend=backend, **fixed, **kw)
+        return fastmax_attention(q, k, v, p=p, form=form, backend=backend, tuning=tuning_for(path), **fixed, **kw)
     return call
 
 
@@ -57,13 +57,13 @@ def fastmax(p, **fixed):
 def test_linear_form_matches_float64(dtype, d, flag, p, path):
     needs(path, d)
     cases = [(*make_case(shape, d, "fastmax", flag, seed=n), str(shape)) for n, shape in enumerate(LINEAR_SHAPES)]
-    compare(cases, fastmax(p, temperature=math.sqrt(d)), dtype)
+    compare(cases, fastmax(p, path, temperature=math.sqrt(d)), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda t: str(t).split(".")[-1])
 def test_linear_form_with_normalize_and_other_coefficients(dtype, path):
     cases = [(*make_case(shape, 64, "fastmax", "all", seed=n), str(shape)) for n, shape in enumerate(LINEAR_SHAPES)]
-    compare(cases, fastmax(2, normalize=True, lim=1.5, a0=2.0, a1=0.5, a2=0.25), dtype)
+    compare(cases, fastmax(2, path, normalize=True, lim=1.5, a0=2.0, a1=0.5, a2=0.25), dtype)
 
 
 @pytest.mark.parametrize("flag", ["none", "causal"])
@@ -72,7 +72,7 @@ def test_linear_form_gradients_at_2048(dtype, flag, path):
     """dk and dv come from moments of psi(q) dO / l, which shrink as rows add up: scaled by the row
     count they fell into fp16's subnormals (an emulation of the old kernel: dk 39x, dv 21x the bar here)."""
     cases = [(*make_case((1, 2, 1, 2048, 2048), 64, "fastmax", flag, seed=10), "2048")]
-    compare(cases, fastmax(2, temperature=8.0), dtype)
+    compare(cases, fastmax(2, path, temperature=8.0), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda t: str(t).split(".")[-1])
@@ -84,7 +84,7 @@ def test_linear_form_values_with_an_offset(dtype, path):
     for n, shape in enumerate([s for s in LINEAR_SHAPES if s[4] > 128]):
         (q, k, v), kw, dout = make_case(shape, d, "fastmax", "mask", seed=n)
         cases.append(([q, k, v + 4], kw, dout, str(shape)))
-    compare(cases, fastmax(2, temperature=math.sqrt(d)), dtype)
+    compare(cases, fastmax(2, path, temperature=math.sqrt(d)), dtype)
 
 
 def test_one_chunk_of_keys_runs_as_one_tiled_block():
@@ -102,7 +102,8 @@ def test_the_two_forms_agree(path):
     g = torch.Generator(device="cuda").manual_seed(7)
     q, k, v = (torch.randn(2, 4, 1000, 64, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     for causal in (False, True):
-        lin = fastmax_attention(q, k, v, causal=causal, temperature=8.0, form="linear", backend="cuda")
+        lin = fastmax_attention(q, k, v, causal=causal, temperature=8.0, form="linear", backend="cuda",
+                                tuning=tuning_for(path))
         quad = fastmax_attention(q, k, v, causal=causal, temperature=8.0, form="quadratic", backend="cuda")
         torch.testing.assert_close(lin, quad, atol=2e-2, rtol=2e-2)
 
@@ -112,7 +113,8 @@ def test_linear_form_stays_finite_at_131072(path):
     q, k, v = (torch.randn(1, 2, 131072, 64, generator=g, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     for causal in (False, True):
-        out = fastmax_attention(q, k, v, causal=causal, temperature=8.0, form="linear", backend="cuda")
+        out = fastmax_attention(q, k, v, causal=causal, temperature=8.0, form="linear", backend="cuda",
+                                tuning=tuning_for(path))
         grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
         for t in (out, *grads):
             assert torch.isfinite(t).all()

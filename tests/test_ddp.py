@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import train
+from lab.config import TrainConfig
+from lab.steps import evaluate
 from data import RandomWindowSampler, load_enwik8
 from model import GPT
 from helpers import REPO, TINY, read_jsonl
@@ -34,7 +35,7 @@ def torchrun(data_path: str, out: Path, *args: str, wait: bool = True, **env):
     return done
 
 
-def first_step_losses(cfg: train.TrainConfig, train_split) -> list[float]:
+def first_step_losses(cfg: TrainConfig, train_split) -> list[float]:
     """Each rank's loss on its first batch as main() computes it: rank 0's initial weights (DDP broadcasts
     them), each rank's own dropout RNG (seeded with seed + rank before its model was built)."""
     torch.manual_seed(cfg.seed)
@@ -68,7 +69,7 @@ def test_two_processes_train_log_once_evaluate_exactly_and_resume_exactly(tmp_pa
     assert all(math.isfinite(loss) for loss in losses)
     assert sum(losses[-3:]) < sum(losses[:3])
 
-    cfg = train.TrainConfig(**json.loads((run_dir / "config.json").read_text()))
+    cfg = TrainConfig(**json.loads((run_dir / "config.json").read_text()))
     splits = load_enwik8(data_path, log=lambda *_: None)
     rank_losses = first_step_losses(cfg, splits["train"])
     assert abs(rank_losses[0] - rank_losses[1]) > 1e-3  # the ranks drew different windows...
@@ -78,7 +79,7 @@ def test_two_processes_train_log_once_evaluate_exactly_and_resume_exactly(tmp_pa
     assert (ckpt["step"], ckpt["world_size"], len(ckpt["rng"]), ckpt["sampler"]["batches_drawn"]) == (10, 2, 2, 10)
     model = GPT(cfg.model_config())
     model.load_state_dict(ckpt["model"])
-    loss, curve = train.evaluate(model, splits["val"], cfg, torch.device("cpu"), contextlib.nullcontext(),
+    loss, curve = evaluate(model, splits["val"], cfg, torch.device("cpu"), contextlib.nullcontext(),
                                  cfg.final_eval_max_windows)
     final = [r for r in rows if "val/bpc" in r][-1]
     assert final["val/loss"] == pytest.approx(loss, rel=1e-6)
@@ -136,12 +137,12 @@ def test_two_gpus_over_nccl(tmp_path, data_path):
     rows = read_jsonl(out / "r" / "metrics.jsonl")
     assert [s for s, *_ in train_rows(out / "r")] == list(range(1, 11))
     assert all(math.isfinite(loss) for _, loss, _ in train_rows(out / "r"))
-    cfg = train.TrainConfig(**json.loads((out / "r" / "config.json").read_text()))
+    cfg = TrainConfig(**json.loads((out / "r" / "config.json").read_text()))
     ckpt = torch.load(out / "r" / "ckpt.pt", weights_only=False)
     assert (ckpt["world_size"], len(ckpt["rng"])) == (2, 2) and all(r["cuda"] is not None for r in ckpt["rng"])
     device = torch.device("cuda", 0)
     model = GPT(cfg.model_config()).to(device)
     model.load_state_dict(ckpt["model"])
-    loss, _ = train.evaluate(model, load_enwik8(data_path, log=lambda *_: None)["val"], cfg, device,
+    loss, _ = evaluate(model, load_enwik8(data_path, log=lambda *_: None)["val"], cfg, device,
                              torch.autocast("cuda", dtype=torch.bfloat16), cfg.final_eval_max_windows)
     assert [r for r in rows if "val/loss" in r][-1]["val/loss"] == pytest.approx(loss, rel=1e-4)

@@ -1,4 +1,5 @@
 import math
+import re
 
 import pytest
 import torch
@@ -136,18 +137,21 @@ def test_grouped_kv_equals_repeated_heads(family):
     torch.testing.assert_close(grouped(x, cos, sin), full(x, cos, sin), rtol=1e-5, atol=1e-6)
 
 
-def test_attention_flops():
+def test_attention_flops(fake_kernels):
+    cpu, f32 = torch.device("cpu"), torch.float32
     cfg = tiny(seq_len=1024)
-    assert attention_flops_per_token(cfg) == 2 * 4 * 6 * 8 * 1024  # L·H·6·D·T: causal quadratic
+    assert attention_flops_per_token(cfg, cpu, f32) == 2 * 4 * 6 * 8 * 1024  # L·H·6·D·T: causal quadratic
     # fastmax past the feature count F = 1 + 8 + 36 runs (and is counted in) its linear form
     fast = tiny(seq_len=1024, attention="fastmax")
-    assert attention_flops_per_token(fast) == 2 * 4 * 12 * 45 * 9
-    assert attention_flops_per_token(tiny(seq_len=40, attention="fastmax")) == 2 * 4 * 6 * 8 * 40
-    # with the kernels, from the key count where their linear form was measured faster (d=8: never)
-    assert attention_flops_per_token(tiny(seq_len=1024, attention="fastmax", use_cuda_kernel=True)) == \
-        2 * 4 * 6 * 8 * 1024
+    assert attention_flops_per_token(fast, cpu, f32) == 2 * 4 * 12 * 45 * 9
+    assert attention_flops_per_token(tiny(seq_len=40, attention="fastmax"), cpu, f32) == 2 * 4 * 6 * 8 * 40
+    # with the kernels, from the key count where their linear form was measured faster (d=16: 8192)
+    gpu, bf16 = torch.device("cuda"), torch.bfloat16
+    on_kernels = dict(n_embd=64, attention="fastmax", use_cuda_kernel=True)
+    assert attention_flops_per_token(tiny(seq_len=8191, **on_kernels), gpu, bf16) == 2 * 4 * 6 * 16 * 8191
+    assert attention_flops_per_token(tiny(seq_len=8192, **on_kernels), gpu, bf16) == 2 * 4 * 12 * 153 * 17
     model = GPT(cfg)
-    assert model.flops_per_token() == 6 * model.num_params() + attention_flops_per_token(cfg)
+    assert model.flops_per_token(f32) == 6 * model.num_params() + attention_flops_per_token(cfg, cpu, f32)
 
 
 @pytest.mark.parametrize("overrides, field", [
@@ -171,3 +175,36 @@ def test_sequence_longer_than_seq_len_is_refused():
     model = GPT(tiny())
     with pytest.raises(ValueError, match="seq_len"):
         model(torch.zeros(1, 17, dtype=torch.long))
+
+
+@pytest.mark.parametrize("backend", ["auto", "math"])
+def test_cosine_on_sdpa_is_the_cosine_attention(backend):
+    """cosine_sdpa computes what cosine_sim_attention computes: softmax(scale * q^ k^T) v, causal."""
+    from attention_cuda import cosine_sim_attention
+    from model.attention import attention_fn
+
+    torch.manual_seed(0)
+    q, (k, v) = torch.randn(2, 4, 17, 16, dtype=torch.float64), (torch.randn(2, 2, 17, 16, dtype=torch.float64)
+                                                                 for _ in range(2))
+    cfg = tiny(attention="cosine", cosine_sdpa=True, sdpa_backend=backend, n_kv_head=2)
+    ours = cosine_sim_attention(q, k, v, causal=True, scale=cfg.cosine_scale, backend="torch")
+    torch.testing.assert_close(attention_fn(cfg)(q, k, v), ours)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"attention": "fastmax", "cosine_sdpa": True}, "cosine_sdpa: runs attention='cosine' on SDPA"),
+    ({"attention": "cosine", "cosine_sdpa": True, "use_cuda_kernel": True}, "cosine_sdpa"),
+    ({"attention": "cosine", "sdpa_backend": "cudnn"}, "sdpa_backend: 'cudnn' applies to attention run on SDPA"),
+    ({"attention": "softmax", "sdpa_backend": "tpu"}, "sdpa_backend: expected one of"),
+])
+def test_sdpa_settings_are_checked(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tiny(**overrides)
+
+
+def test_every_variant_is_a_config_and_found_again():
+    from model.variants import VARIANTS, variant_of
+    for variant in VARIANTS.values():
+        assert variant_of(tiny(**dict(variant.settings))) is variant
+    with pytest.raises(ValueError, match="no registered attention variant"):
+        variant_of(tiny(attention="softmax", sdpa_backend="flash"))

@@ -1,3 +1,4 @@
+import dataclasses
 import html
 import json
 import math
@@ -13,6 +14,9 @@ import torch
 from wandb.proto import wandb_internal_pb2
 
 import train
+from lab.config import TrainConfig, parse_args, parse_command_line
+from lab.files import save_checkpoint
+from lab.steps import bpc_by_position
 from helpers import REPO, TINY, read_jsonl
 
 STEP_KEYS = {"train/loss", "train/bpc", "lr", "grad_norm", "perf/tokens_per_s", "perf/step_ms", "perf/peak_mem_gib"}
@@ -231,7 +235,7 @@ def test_bad_config_file_names_the_line_and_field(tmp_path, capsys, line, expect
     config = tmp_path / "bad.py"
     config.write_text(f"# a comment\nn_embd = 64\n{line}\n")
     with pytest.raises(SystemExit) as exc:
-        train.parse_args(["--config", str(config)])
+        parse_args(["--config", str(config)])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"{config}:3" in err and expected in err
@@ -241,7 +245,7 @@ def test_a_config_value_that_overflows_to_inf_is_refused(tmp_path, capsys):
     config = tmp_path / "huge.py"
     config.write_text("lr = 1e999\n")
     with pytest.raises(SystemExit) as exc:
-        train.parse_args(["--config", str(config)])
+        parse_args(["--config", str(config)])
     assert exc.value.code == 2 and "lr: expected a finite number, got inf" in capsys.readouterr().err
 
 
@@ -249,12 +253,12 @@ def test_a_config_file_that_is_not_utf8_is_named(tmp_path, capsys):
     config = tmp_path / "latin1.py"
     config.write_bytes("# caf\xe9\nn_layer = 2\n".encode("latin-1"))
     with pytest.raises(SystemExit) as exc:
-        train.parse_args(["--config", str(config)])
+        parse_args(["--config", str(config)])
     assert exc.value.code == 2 and f"{config}: not UTF-8 text" in capsys.readouterr().err
 
 
 def test_config_file_then_overrides():
-    cfg, resume = train.parse_args(["--config", str(REPO / "configs" / "tiny_cpu.py"), "--n-layer=3",
+    cfg, resume = parse_args(["--config", str(REPO / "configs" / "tiny_cpu.py"), "--n-layer=3",
                                     "--fastmax_normalize", "--cosine_scale", "8", "--n_kv_head", "none"])
     assert (cfg.n_layer, cfg.fastmax_normalize, cfg.cosine_scale, cfg.n_kv_head) == (3, True, 8.0, cfg.n_head)
     assert cfg.run_name == f"tiny_cpu_{cfg.attention}" and resume is None
@@ -262,30 +266,30 @@ def test_config_file_then_overrides():
 
 def test_the_default_config_follows_the_device(monkeypatch):
     monkeypatch.setattr(train.torch.cuda, "is_available", lambda: False)
-    cli = train.parse_command_line([])
+    cli = parse_command_line([])
     assert cli.values["seq_len"] == 128 and cli.values["run_name"] == "tiny_cpu_cosine"
     assert "no CUDA device" in cli.note and "--config configs/base" in cli.note
-    assert train.parse_command_line(["--device", "cuda"]).values["seq_len"] == 8192  # asked for a GPU: base
+    assert parse_command_line(["--device", "cuda"]).values["seq_len"] == 8192  # asked for a GPU: base
     monkeypatch.setattr(train.torch.cuda, "is_available", lambda: True)
-    cli = train.parse_command_line([])
+    cli = parse_command_line([])
     assert cli.values["seq_len"] == 8192 and cli.note is None
-    assert train.parse_command_line(["--device", "cpu"]).values["seq_len"] == 128
+    assert parse_command_line(["--device", "cpu"]).values["seq_len"] == 128
 
 
 def test_help_describes_every_field_with_its_choices_and_the_config_value(capsys):
     with pytest.raises(SystemExit) as exc:
-        train.parse_args(["--config", str(REPO / "configs" / "tiny_cpu"), "--help"])
+        parse_args(["--config", str(REPO / "configs" / "tiny_cpu"), "--help"])
     assert exc.value.code == 0
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert "attention family; one of softmax, cosine, fastmax (default 'cosine' from configs/tiny_cpu)" in out
     assert "peak learning rate (default 0.002 from configs/tiny_cpu)" in out
     assert "AdamW beta2 (default 0.95)" in out
-    for field in train.dataclasses.fields(train.TrainConfig):
+    for field in dataclasses.fields(TrainConfig):
         assert field.metadata["help"].split(";")[0] in out, field.name
 
 
 def test_lr_schedule():
-    cfg = train.TrainConfig(lr=1.0, min_lr=0.1, warmup_iters=10, max_iters=110)
+    cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_iters=10, max_iters=110)
     lrs = [train.lr_at(s, cfg) for s in range(120)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert lrs[60] == pytest.approx(0.55)  # halfway through the cosine
@@ -297,15 +301,15 @@ def test_bpc_by_position_buckets():
     loss_sum = torch.full((10,), 2 * math.log(2), dtype=torch.float64)  # 2 bits at every position...
     loss_sum[0] = 0.0  # ...but the first
     count = torch.ones(10, dtype=torch.float64)
-    assert train.bpc_by_position(loss_sum, count) == [(1, 0.0), (2, 2.0), (4, 2.0), (8, 2.0), (10, 2.0)]
+    assert bpc_by_position(loss_sum, count) == [(1, 0.0), (2, 2.0), (4, 2.0), (8, 2.0), (10, 2.0)]
     count[4:8] = 0  # positions 5-8 never scored: no bucket for them
-    assert [p for p, _ in train.bpc_by_position(loss_sum, count)] == [1, 2, 4, 10]
+    assert [p for p, _ in bpc_by_position(loss_sum, count)] == [1, 2, 4, 10]
 
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     path = tmp_path / "ckpt.pt"
-    train.save_checkpoint({"step": 1}, path)
-    train.save_checkpoint({"step": 2}, path)
+    save_checkpoint({"step": 1}, path)
+    save_checkpoint({"step": 2}, path)
     assert torch.load(path)["step"] == 2
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
 
@@ -315,7 +319,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(train.torch, "save", crash_midway)
     with pytest.raises(OSError, match="disk full"):
-        train.save_checkpoint({"step": 3}, path)
+        save_checkpoint({"step": 3}, path)
     assert torch.load(path)["step"] == 2
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import train
+from lab.files import json_line, load_checkpoint
 from helpers import TINY, read_jsonl
 
 
@@ -35,7 +36,7 @@ def test_a_finished_run_trains_on_with_a_larger_max_iters_at_min_lr(run):
     assert run("--max_iters", "9", "--run_name", "r", "--resume", "auto") == 0
     rows = [r for r in read_jsonl(run.out / "r" / "metrics.jsonl") if "lr" in r]
     assert [r["step"] for r in rows] == list(range(1, 10))
-    cfg = train.load_checkpoint(run.out / "r" / "ckpt.pt")["config"]
+    cfg = load_checkpoint(run.out / "r" / "ckpt.pt")["config"]
     assert cfg["lr_decay_iters"] == 6 and cfg["max_iters"] == 9  # the cosine ends where the run's ended
     assert [r["lr"] for r in rows[6:]] == [cfg["min_lr"]] * 3
 
@@ -45,7 +46,7 @@ def test_a_resume_without_data_path_reads_the_runs_data(tmp_path, data_path, mon
     out = str(tmp_path / "out")
     assert train.main([*TINY, "--data-path", data_path, "--out_dir", out, "--run_name", "r", "--max_iters", "3"]) == 0
     assert train.main([*TINY, "--out_dir", out, "--run_name", "r", "--max_iters", "5", "--resume", "auto"]) == 0
-    assert train.load_checkpoint(tmp_path / "out" / "r" / "ckpt.pt")["config"]["data_path"] == data_path
+    assert load_checkpoint(tmp_path / "out" / "r" / "ckpt.pt")["config"]["data_path"] == data_path
 
 
 def test_a_resume_on_other_data_is_refused_and_a_copy_is_fine(run, capsys, data_path, tmp_path):
@@ -153,7 +154,7 @@ def test_a_second_train_py_on_the_same_run_directory_is_refused(run, capsys):
 
 
 def test_json_lines_are_strict():
-    line = train.json_line({"step": 1, "loss": math.nan, "curve": [(1, math.inf), (2, 1.5)], "s": "x"})
+    line = json_line({"step": 1, "loss": math.nan, "curve": [(1, math.inf), (2, 1.5)], "s": "x"})
     assert json.loads(line) == {"step": 1, "loss": None, "curve": [[1, None], [2, 1.5]], "s": "x"}
 
 
@@ -168,19 +169,19 @@ def test_divergence_stops_with_its_exit_code_and_keeps_the_last_good_checkpoint(
     rows = strict_rows(run.out / "r" / "metrics.jsonl")
     last_logged = rows[-1]["step"]
     assert last_logged < 40 and all(math.isfinite(r["train/loss"]) for r in rows)
-    ckpt = train.load_checkpoint(run.out / "r" / "ckpt.pt")
+    ckpt = load_checkpoint(run.out / "r" / "ckpt.pt")
     assert ckpt["step"] == last_logged and f"still holds step {last_logged}" in err
     assert all(t.isfinite().all() for t in ckpt["model"].values())
 
 
 def test_a_non_finite_gradient_takes_no_step(run, capsys, monkeypatch):
     assert run("--max_iters", "2", "--run_name", "r", "--wandb-mode", "disabled") == 0
-    good = train.load_checkpoint(run.out / "r" / "ckpt.pt")
+    good = load_checkpoint(run.out / "r" / "ckpt.pt")
     clip = train.clip_gradients
     monkeypatch.setattr(train, "clip_gradients", lambda model, cfg: clip(model, cfg) * math.nan)
     assert run("--max_iters", "4", "--run_name", "r", "--resume", "auto", "--wandb-mode", "disabled") == 3
     assert "step 3 has training loss" in capsys.readouterr().err
-    after = train.load_checkpoint(run.out / "r" / "ckpt.pt")
+    after = load_checkpoint(run.out / "r" / "ckpt.pt")
     assert after["step"] == 2 and all(torch.equal(after["model"][k], v) for k, v in good["model"].items())
 
 

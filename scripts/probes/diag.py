@@ -1,17 +1,20 @@
 """The linear form's diagonal blocks (one causal L x L block per chunk, on the tiled kernels) against the
 same work laid out plainly, b4 h8 N16384 d64 L1024 p=2 bf16: where does their time go?
 
-Each line times one attn_cuda::fwd or ::bwd call (benchmark.time_ms, median of 20): as the linear form
+Each line times one attn_cuda::fwd or ::bwd call (lab.timing.time_ms, median of 20): as the linear form
 calls it (chunk-major views of the (d + 16)-wide rows, with a key mask), without the mask, and on
 contiguous copies; and the whole quadratic form's forward for scale (its diagonal blocks are 1/16 of it).
 """
 import statistics
+import sys
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere: the repository root's packages
 
-import attention_cuda._cuda as cm
-from attention_cuda import fastmax_attention
-from benchmark import time_ms
+import torch  # noqa: E402
+
+from attention_cuda import _extension, _kernels, fastmax_attention  # noqa: E402
+from lab.timing import time_ms  # noqa: E402
 
 torch.manual_seed(0)
 ops = torch.ops.attn_cuda
@@ -23,10 +26,10 @@ def t(fn):
     return statistics.median(time_ms(lambda i: fn(), 1, 3, 20, "cuda"))
 
 
-assert cm.unavailable_reason() is None, cm.unavailable_reason()
+assert _extension.unavailable_reason() is None, _extension.unavailable_reason()
 q, k, v, do = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
 qc, kc, vc = (ops.lin_rows(x, None, None, 0, N, d + 16, L) for x in (q, k, v))
-views = cm._diagonal(qc, kc, vc)
+views = _kernels._diagonal(qc, kc, vc)
 plain = tuple(x.contiguous() for x in views)
 keep = torch.ones(B * N // L, L, dtype=torch.bool, device="cuda")
 rows = (B * N // L, H, L, d)

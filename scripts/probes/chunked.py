@@ -1,10 +1,13 @@
 """Probe of the chunked Hopper linear form: 48 checks against float64 next to the sweep, then timings (bench/runs/2026-11-22_s16_chunked-linear.txt)."""
 # Chunked Hopper linear form (lin_state + lin_read) against the sweep (attn_cuda::linear) and a float64
 # reference, on chunk-major inputs; then timings at b4 h8 N16384.
-import math, statistics, sys, torch
-import attention_cuda._cuda as cu_mod
-from benchmark import time_ms
-cu_mod._load()
+import math, statistics, sys
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere: the repository root's packages
+import torch
+from attention_cuda import _extension
+from lab.timing import time_ms
+assert _extension.unavailable_reason() is None, _extension.unavailable_reason()
 ops = torch.ops.attn_cuda
 dev = "cuda"
 print("chunked dims bf16", ops.chunked_head_dims(torch.bfloat16), "f16", ops.chunked_head_dims(torch.float16))

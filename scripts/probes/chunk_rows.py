@@ -1,12 +1,16 @@
-"""Fastmax linear form end to end per chunk length (CHUNKED_ROWS; 0 = the sweep), b4 h8 d64 and b1 h32 d128,
+"""Fastmax linear form end to end per chunk length (Tuning.chunked_rows; 0 = the sweep), b4 h8 d64 and b1 h32 d128,
 N16384 causal p=2 bf16: forward and forward+backward, then a per-kernel profile of one chunked d64 step
 (bench/runs/2026-11-22_s17_chunk-rows.txt)."""
 import statistics
+import sys
+from pathlib import Path
 
-import torch
-import attention_cuda._cuda as cm
-from attention_cuda import fastmax_attention
-from benchmark import time_ms
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere: the repository root's packages
+
+import torch  # noqa: E402
+
+from attention_cuda import Tuning, fastmax_attention  # noqa: E402
+from lab.timing import time_ms  # noqa: E402
 
 
 def t(fn):  # median ms of 10 CUDA-event-timed runs after 3 warm-ups
@@ -17,9 +21,9 @@ for d, (B, H) in ((64, (4, 8)), (128, (1, 32))):
     q, k, v = (torch.randn(B, H, N, d, generator=g, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn(B, H, N, d, generator=g, device="cuda", dtype=torch.bfloat16)
     for L in (0, 512, 1024, 2048):
-        cm.CHUNKED_ROWS = L
-        form = "linear"
-        f = lambda: fastmax_attention(q, k, v, causal=True, temperature=d ** 0.5, form=form, backend="cuda")
+        form, tuning = "linear", Tuning(chunked_rows=L)
+        f = lambda: fastmax_attention(q, k, v, causal=True, temperature=d ** 0.5, form=form, backend="cuda",
+                                      tuning=tuning)
         fb = lambda: torch.autograd.grad(f(), (q, k, v), do)
         with torch.no_grad():
             tf = t(f)
@@ -32,7 +36,6 @@ for d, (B, H) in ((64, (4, 8)), (128, (1, 32))):
         tf = t(f)
     print(f"d{d} quadratic: fwd {tf:.3f} fwd+bwd {t(fb):.3f}", flush=True)
 # profile one chunked fwd+bwd at d64 by kernel
-cm.CHUNKED_ROWS = 1024
 q, k, v = (torch.randn(4, 8, 16384, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 do = torch.randn_like(q)
 fb = lambda: torch.autograd.grad(fastmax_attention(q, k, v, causal=True, temperature=8.0, form="linear", backend="cuda"), (q, k, v), do)

@@ -1,0 +1,162 @@
+"""Loading the compiled ops: the extension that setup.py built (``attention_cuda._C``), else a JIT build
+of ``csrc/`` on first use (``torch.utils.cpp_extension.load``, cached under a name made from a hash of the
+sources, so an edit rebuilds and an unchanged tree reuses the build). The ops (``attn_cuda::fwd``, ``bwd``,
+the linear form's) are defined in csrc/binding.cpp; here they also get fake implementations, so that
+torch.compile traces through them without running them.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).parent / "csrc"
+HEAD_DIMS = (16, 32, 64, 96, 128)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+_UNSET = object()
+_reason = _UNSET      # None once the ops are loaded, else why they cannot be
+_head_dims = {}       # dtype -> head dims compiled into the loaded extension
+
+
+def _pad4(n):
+    return (n + 3) // 4 * 4
+
+
+def _arch_list() -> str:
+    """TORCH_CUDA_ARCH_LIST, else the current device's architecture (9.0a on Hopper: the wgmma kernels)."""
+    major, minor = torch.cuda.get_device_capability()
+    return os.environ.get("TORCH_CUDA_ARCH_LIST") or f"{major}.{minor}{'a' if (major, minor) == (9, 0) else ''}"
+
+
+def _jit_build() -> None:
+    from torch.utils import cpp_extension
+
+    arch = _arch_list()
+    digest = hashlib.sha256(arch.encode())
+    for f in sorted(p for p in CSRC.rglob("*") if p.is_file()):
+        digest.update(f.relative_to(CSRC).as_posix().encode() + b"\0" + f.read_bytes())
+    sources = [CSRC / "binding.cpp", CSRC / "aux.cu", *sorted((CSRC / "inst").glob("*.cu"))]
+    flags = (CSRC / "nvcc_flags.txt").read_text().split() + (["-DATTN_SM90A"] if "9.0a" in arch else [])
+    saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+    try:
+        cpp_extension.load(name=f"attention_cuda_{digest.hexdigest()[:16]}", sources=[str(s) for s in sources],
+                           extra_cflags=["-O3"], extra_cuda_cflags=flags, is_python_module=False)
+    finally:
+        if saved is None:
+            del os.environ["TORCH_CUDA_ARCH_LIST"]
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = saved
+
+
+def _first_error_line(e: Exception) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower()]
+    return (errors or lines or [type(e).__name__])[0]
+
+
+def _load() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    prebuilt = importlib.util.find_spec(f"{__package__}._C")
+    problems = []
+    if prebuilt is not None:
+        try:
+            torch.ops.load_library(prebuilt.origin)
+        except OSError as e:
+            problems.append(f"the prebuilt extension {prebuilt.origin} does not load ({e}); ")
+    if not hasattr(torch.ops.attn_cuda, "fwd"):
+        try:
+            _jit_build()
+        except Exception as e:  # noqa: BLE001 - any build failure becomes the reason, not a crash
+            return (f"{''.join(problems)}the extension failed to build: {_first_error_line(e)}; for the full "
+                    "log run `python -c 'import attention_cuda._extension as e; e._jit_build()'`, or install it "
+                    "with `pip install --no-build-isolation -e .` on a machine with nvcc")
+    for dt in DTYPES:
+        _head_dims[dt] = tuple(torch.ops.attn_cuda.head_dims(dt))
+    _register_fakes()
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernels are loaded and a CUDA device exists, else why not and how to fix it."""
+    global _reason
+    if _reason is _UNSET:
+        _reason = _load()
+    return _reason
+
+
+def compiled_head_dims(dtype: torch.dtype) -> tuple[int, ...]:
+    """The head dims this build compiled for dtype (the ops must be loaded)."""
+    return _head_dims.get(dtype, ())
+
+
+def chunked_head_dims(dtype: torch.dtype) -> tuple[int, ...]:
+    """The head dims the linear form's chunked (Hopper) kernels run for dtype here: none without the ops."""
+    if unavailable_reason() is not None or dtype not in DTYPES:
+        return ()
+    return tuple(torch.ops.attn_cuda.chunked_head_dims(dtype))
+
+
+def _register_fakes() -> None:
+    """Shapes and dtypes of the ops' outputs (they must match csrc/binding.cpp), for torch.compile."""
+
+    @torch.library.register_fake("attn_cuda::fwd")
+    def _fwd(q, k, v, mask, bias, causal, kind, scale, qk_norm, a0, a1, a2, normalize):
+        b, h, i, d = q.shape
+        f32 = dict(dtype=torch.float32, device=q.device)
+        norms = qk_norm is not None
+        return (q.new_empty((b, h, i, d)), torch.empty((b, h, _pad4(i)), **f32),
+                torch.empty((b, h, _pad4(i)) if norms else (0,), **f32),
+                torch.empty((b, k.shape[1], _pad4(k.shape[2])) if norms else (0,), **f32),
+                k.new_empty(k.shape if norms else (0,)))
+
+    @torch.library.register_fake("attn_cuda::linear")
+    def _linear(ux, uw, rx, rg, upd_heads, rd_heads, causal, reverse, second, cu, cr, r1_tiles, want_r2):
+        f32 = dict(dtype=torch.float32, device=rx.device)
+        return (torch.empty(rx.shape if r1_tiles > 0 else (0,), **f32),
+                torch.empty((*rx.shape[:-1], rx.shape[-1] - 16) if want_r2 else (0,), **f32))
+
+    @torch.library.register_fake("attn_cuda::lin_state")
+    def _lin_state(x, w, heads, causal, reverse, second, coef, scale):
+        b, chunks, hx, _, dp = x.shape
+        nb = (dp - 16) // 16
+        groups = nb + 1 + (16 * nb * (nb + 1) // 2 if second else 0)
+        image_bytes = (groups + 3) // 4 * ((dp - 8 + 31) // 32) * 64 * 64  # chunked_image_bytes in binding.cpp
+        return x.new_empty((b, hx // heads, chunks if causal else 1, image_bytes), dtype=torch.uint8)
+
+    @torch.library.register_fake("attn_cuda::lin_read")
+    def _lin_read(x, g, image, heads, second, r1_cols, scale):
+        f32 = dict(dtype=torch.float32, device=x.device)
+        return (torch.empty(x.shape if r1_cols > 0 else (0,), **f32),
+                torch.empty((*x.shape[:-1], x.shape[-1] - 16) if g is not None else (0,), **f32))
+
+    @torch.library.register_fake("attn_cuda::lin_rows")
+    def _lin_rows(x, mask, mu, shift, n_pad, width, chunk):
+        b, h = x.shape[:2]
+        return x.new_empty((b, n_pad // chunk, h, chunk, width))
+
+    @torch.library.register_fake("attn_cuda::lin_out")
+    def _lin_out(y, o, stat, mu, shift, n, dtype):
+        b, chunks, h, rows, dp = y.shape
+        return y.new_empty((b, h, n, dp - 16), dtype=dtype), y.new_empty((b, chunks, h, rows))
+
+    @torch.library.register_fake("attn_cuda::lin_g")
+    def _lin_g(dout, out, inv_l, mu, cmax, shift):
+        b, h, _, d = dout.shape
+        return dout.new_empty((*inv_l.shape, d + 16)), inv_l.new_empty((1,))
+
+    @torch.library.register_fake("attn_cuda::lin_grad")
+    def _lin_grad(acc, scale, diag, shift, n, dim, dtype):
+        return acc.new_empty((acc.shape[0], acc.shape[2], n, dim), dtype=dtype)
+
+    @torch.library.register_fake("attn_cuda::bwd")
+    def _bwd(dout, q, k, v, mask, bias, out, stat, rq, rk, causal, kind, scale, qk_norm, a0, a1, a2,
+             normalize, bias_grad):
+        b, h, i, d = q.shape
+        dbias = q.new_empty((b, h, i, k.shape[2]) if bias_grad else (0,))
+        return q.new_empty((b, h, i, d)), k.new_empty(k.shape), v.new_empty(v.shape), dbias

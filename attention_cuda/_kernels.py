@@ -1,0 +1,208 @@
+"""The CUDA kernels as differentiable torch ops: one autograd.Function per form (the tiled quadratic
+kernels, and fastmax's linear form over them), taking what plan.resolve decided.
+
+Precision: fp16/bf16 inputs run on tensor cores with fp32 accumulation and fp32 softmax statistics,
+as FlashAttention does. fp32 inputs run as TF32 (operands rounded to a 10-bit mantissa, fp32
+accumulation): the same precision as a PyTorch fp32 matmul with ``allow_tf32=True``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .reference import scale_rows
+from .score import ScorePolicy
+
+
+def attention(q, k, v, mask, bias, causal: bool, policy: ScorePolicy, dtype: torch.dtype) -> torch.Tensor:
+    """O = sum_s A_ts v_s / l_t on the tiled kernels, in dtype; differentiable w.r.t. q, k, v and attn_bias.
+
+    q (B, H, I, D), k and v (B, Hkv, J, D) with any strides, mask None or bool (B, J) (True = keep),
+    bias None or (B, H, I, J) (an expanded view is fine; another dtype is cast to dtype).
+    """
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    if mask is not None:
+        # Padded slots may hold garbage, and the tensor cores multiply a masked key's zero weight into its
+        # K and V rows (0 * NaN = NaN): zeroed rows keep it out of every product, forward and backward.
+        # A copy of k and v, paid only by calls with a mask.
+        keep = mask[:, None, :, None]
+        k, v = torch.where(keep, k, 0), torch.where(keep, v, 0)
+    if bias is not None:
+        bias = bias.to(dtype)
+    return _Attention.apply(q, k, v, mask, bias, causal, policy.kind, policy.scale, policy.qk_norm,
+                            policy.a0, policy.a1, policy.a2, policy.normalize_rows)
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, bias, causal, kind, scale, qk_norm, a0, a1, a2, normalize):
+        out, stat, rq, rk, kn = torch.ops.attn_cuda.fwd(q, k, v, mask, bias, causal, kind, scale, qk_norm,
+                                                        a0, a1, a2, normalize)
+        # Under the qk norm the kernels read the unit keys kn (k / |k| in k's dtype), the backward too.
+        ctx.save_for_backward(q, kn if qk_norm is not None else k, v, mask, bias, out, stat, rq, rk)
+        ctx.args = (causal, kind, scale, qk_norm, a0, a1, a2, normalize)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, mask, bias, out, stat, rq, rk = ctx.saved_tensors
+        bias_grad = ctx.needs_input_grad[4]
+        dq, dk, dv, dbias = torch.ops.attn_cuda.bwd(dout, q, k, v, mask, bias, out, stat, rq, rk, *ctx.args,
+                                                    bias_grad)
+        return dq, dk, dv, None, dbias if bias_grad else None, *([None] * 8)
+
+
+def linear_attention(q, k, v, mask, causal: bool, policy: ScorePolicy, dtype: torch.dtype, chunk: int,
+                     chunked: bool) -> torch.Tensor:
+    """Fastmax in its linear form on the kernels: moments carried over chunks of ``chunk`` rows (fp32) on
+    the chunked kernels or the sweep, each chunk's own causal block on the tiled quadratic kernel. Same
+    contract as ``attention``; more keys than one chunk holds (plan.resolve sees to it).
+
+    The moments cost O(D^3) per token (p = 2) and no N: it wins over the quadratic form at long N.
+    The temperature rides in the coefficients (f(s x) = a0 + a1 s x + a2 s^2 x^2); normalisation, when
+    asked for, is differentiable PyTorch in front of the op.
+    """
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    if policy.qk_norm is not None:
+        q, k = (scale_rows(x.float(), policy.qk_norm).to(dtype) for x in (q, k))
+    # Causal calls align bottom-right: query t sits at key position t + j - i. In chunk rows, queries
+    # start at j - i when there are more keys, and the first i - j queries see placeholder keys when
+    # there are fewer (masked, so those queries see none).
+    front = k.shape[2] - q.shape[2] if causal else 0
+    mask = None if mask is None else mask.contiguous()
+    return _LinearAttention.apply(q, k, v, mask, causal, (policy.a0, policy.a1, policy.a2), policy.scale,
+                                  max(front, 0), max(-front, 0), chunk, chunked)
+
+
+class _LinearAttention(torch.autograd.Function):
+    """y = [num, l] = moments of the chunks before (_moments) + the chunk's own causal block
+    (attn_cuda::fwd, whose saved 1/l and output give its num and l back); out = num / l.
+
+    The moments take chunk-major rows [x, 1, 0 ... 0] (attn_cuda::lin_rows; the 1 carries the constant
+    and first-order terms) and their outputs come back to natural rows in one pass each (lin_out,
+    lin_grad). Backward, with g = [dO, -(dO . O)] / l: dq from the same moments read against g (R2), dk
+    and dv from the moments of psi(q) g^T carried in reverse (R1 and R2 with the keys), and the diagonal
+    blocks from attn_cuda::bwd, which given the final O and 1/l computes exactly their share. The moments
+    take the values shifted by their mean mu (lin_out adds mu l back), and g's last column as
+    -(dO . (O - mu)) / l (see backward).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, causal, coefs, scale, shift_q, shift_k, chunk, chunked):
+        ops = torch.ops.attn_cuda
+        b, h, i, d = q.shape
+        hkv, j = k.shape[1], k.shape[2]
+        n_pad = -(-max(i + shift_q, j + shift_k) // chunk) * chunk
+        qc = ops.lin_rows(q, None, None, shift_q, n_pad, d + 16, chunk)
+        # Masked keys are zero rows in k too, not only in [v, 1]: the dk/dv moments read every key's
+        # features, and a zero row reads nothing (dv = 0 there, as the mask says).
+        kc = ops.lin_rows(k, mask, None, shift_k, n_pad, d + 16, chunk)
+        # The backward's dq and dk sum phi(k_s) (dO . v_s - dO . O) / l over keys, as the moments of [v, 1]
+        # read against g = [dO, -dO . O] / l: two sums, each rounded (g and the moments enter the tensor
+        # cores in fp16/bf16), that cancel down to the spread of v. Values with a common offset (real
+        # activations have one) make both parts large and the rounding of each shows. The weights sum
+        # to 1, so any constant mu may come off both: v_s - mu and O - mu, with mu the mean value of the
+        # visible keys per (batch, kv head). The forward's moments take the same v - mu, so that the
+        # backward can read their state again; the diagonal blocks keep v as given.
+        mu = _value_mean(v, mask)
+        mu_h = mu.repeat_interleave(h // hkv, dim=1).contiguous()
+        vs = ops.lin_rows(v, mask, mu, shift_k, n_pad, d + 16, chunk)
+        cr = [coefs[0], coefs[1] * scale, coefs[2] * scale * scale]  # the query side's, temperature included
+        y, _, state = _moments(chunked, kc, vs, qc, None, 1, h // hkv, causal, False, coefs[2] != 0, [1.0, 1.0, 1.0],
+                               cr, d + 1)
+        # The backward's dq reads this state again. Kept where its image is at most twice the rows saved
+        # anyway (d64: 504 bytes per key and head, against 480), else computed again there (d128: 2940
+        # against 864).
+        rows_bytes = sum(x.numel() * x.element_size() for x in (qc, kc, vs))
+        if state is not None and state[0].numel() > 2 * rows_bytes:
+            state = None
+        vc, keep_c, diag = None, None, (None, None)
+        if causal:
+            vc = ops.lin_rows(v, mask, None, shift_k, n_pad, d, chunk)
+            keep = torch.ones(b, j, dtype=torch.bool, device=q.device) if mask is None else mask
+            keep_c = torch.nn.functional.pad(keep, (shift_k, n_pad - j - shift_k)).view(-1, chunk)
+            diag = ops.fwd(*_diagonal(qc, kc, vc), keep_c, None, True, "poly", scale, None, *coefs, True)[:2]
+        out, inv_l = ops.lin_out(y, *diag, mu_h, shift_q, i, q.dtype)
+        ctx.save_for_backward(mask, qc, kc, vc, vs, keep_c, out, inv_l, mu_h, *(state or (None, None)))
+        ctx.args = (causal, coefs, scale, cr, shift_q, shift_k, j, chunked)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        ops = torch.ops.attn_cuda
+        mask, qc, kc, vc, vs, keep_c, out, inv_l, mu_h, *state = ctx.saved_tensors
+        causal, coefs, scale, cr, shift_q, shift_k, j, chunked = ctx.args
+        b, h, i, d = out.shape
+        hkv, chunk = kc.shape[2], qc.shape[3]
+        n_pad = qc.shape[1] * chunk
+        group, second = h // hkv, coefs[2] != 0
+        # g = dO / l shrinks with the sequence, and from a causal row with few keys to one with many by
+        # orders of magnitude. The sweeps take it over a power of two (exact) that puts the largest
+        # product the reverse sweep rounds to the input dtype, g q_a (or g itself), near 2^14: the small
+        # rows' products stay above fp16's subnormals (2^-14, where digits are lost) and all below its
+        # max (65504). The coefficients are applied later, in fp32.
+        qmax = torch.linalg.vector_norm(qc[..., :d], float("inf"), dtype=torch.float32)
+        cmax = qmax.clamp_min(1.0).reshape(1)
+        g, gscale = ops.lin_g(dout, out, inv_l, mu_h, cmax, shift_q)
+        state = None if state[0] is None else tuple(state)
+        # [1] and [:2]: an image made here is freed once read (holding dq's through dk's costs 1.5 GiB at d128).
+        dq = _moments(chunked, kc, vs, qc, g, 1, group, causal, False, second, [1.0, 1.0, 1.0], cr, 0, state)[1]
+        dv, dk = _moments(chunked, qc, g, kc, vs, group, 1, causal, True, second, cr, [1.0, 1.0, 1.0], d)[:2]
+        diag = (None, None, None)
+        if causal:
+            rows = (b * n_pad // chunk, h, chunk, d)
+            dout_c, out_c = (ops.lin_rows(x, None, None, shift_q, n_pad, d, chunk).view(rows) for x in (dout, out))
+            diag = ops.bwd(dout_c, *_diagonal(qc, kc, vc), keep_c, None, out_c, inv_l.view(rows[:3]),
+                           inv_l.new_empty(0), inv_l.new_empty(0), True, "poly", scale, None, *coefs, True,
+                           False)[:3]
+        return (ops.lin_grad(dq, gscale, diag[0], shift_q, i, d, out.dtype),
+                ops.lin_grad(dk, gscale, diag[1], shift_k, j, d, out.dtype),
+                ops.lin_grad(dv, gscale, diag[2], shift_k, j, d, out.dtype), *([None] * 8))
+
+
+def _value_mean(v, mask):
+    """The mean value of the keys the mask keeps, per (batch, kv head): fp32 (B, Hkv, D). Any constant
+    would do (see _LinearAttention), so non-finite entries are left out rather than let one garbage value
+    reach every row through it; masked ones are selected away, not multiplied by 0 (0 * NaN is NaN)."""
+    keep = torch.isfinite(v)
+    if mask is not None:
+        keep = keep & mask[:, None, :, None]
+    return torch.where(keep, v, 0).sum(2, dtype=torch.float32) / keep.sum(2).clamp_min(1)
+
+
+def _diagonal(qc, kc, vc):
+    """The chunks as sequences of their own, (B * chunks, heads, L, D): the diagonal blocks (vc may be
+    D wide already)."""
+    d = qc.shape[-1] - 16
+    return tuple(x.view(-1, *x.shape[2:])[..., :d] for x in (qc, kc, vc))
+
+
+
+def _moments(chunked, ux, uw, rx, rg, upd, rd, causal, reverse, second, cu, cr, r1_cols, state=None):
+    """R1 = psi(rx) S (its first r1_cols columns) and, given rg, R2 = d psi(rx) . S rg, with S the moments
+    of phi(ux) uw^T over the visible chunks (before each chunk; after it with reverse; all when not causal).
+    cu and cr: the coefficients on ux's and rx's side. On the sweep, or (chunked) on the chunked kernels:
+    lin_state writes S per chunk, lin_read reads every chunk at once. Returns (R1, R2, state), state =
+    (S's image, its scale) on the chunked kernels (None on the sweep): a later call with the same ux, uw
+    and flags may pass it back rather than have it computed again."""
+    ops = torch.ops.attn_cuda
+    if not chunked:
+        r1_tiles = -(-r1_cols // 16)
+        return (*ops.linear(ux, uw, rx, rg, upd, rd, causal, reverse, second, cu, cr, r1_tiles, rg is not None), None)
+    if state is None:
+        coef = [a * b for a, b in zip(cu, cr)]
+        scale = _image_scale(ux, uw, upd, coef)
+        state = (ops.lin_state(ux, uw, upd, causal, reverse, second, coef, scale), scale)
+    return (*ops.lin_read(rx, rg, state[0], rd, second, r1_cols, state[1]), state)
+
+
+def _image_scale(ux, uw, upd, coef):
+    """The power of two the chunked kernels store S at (one fp32 on the device): fp16 images hold S below
+    2^14 by a bound on |S| (rows x max |phi| x max |w|); bf16 has fp32's range and takes 1."""
+    if ux.dtype != torch.float16:
+        return torch.ones(1, device=ux.device)
+    rows = ux.shape[1] * ux.shape[3] * upd
+    bound = (ux.abs().amax().float().clamp_min(1.0) ** 2 * uw.abs().amax().float()
+             * (rows * max(abs(coef[0]), abs(coef[1]), 2 * abs(coef[2]))))
+    return torch.exp2(torch.floor(torch.log2(2.0 ** 14 / bound.clamp_min(1e-30)))).reshape(1)
+
+

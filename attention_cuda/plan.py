@@ -1,0 +1,196 @@
+"""Which code runs an attention call, and why: resolved once per call, then executed by functional.py.
+
+A Plan names the backend (our CUDA kernels or the PyTorch reference), fastmax's form (quadratic or
+linear) and, on the kernels, the path that carries the linear form's moments, with the reason for each
+choice. The measured choices come from one table, TUNING, each entry with the file that measured it;
+a caller that wants other values (a probe, a test) passes its own Tuning rather than patching globals.
+
+The layers, top down: functional.py (validation, canonical shapes, this plan) -> _kernels.py (the
+autograd Functions over the ops) -> _extension.py (loading the compiled ops) -> csrc/.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from . import _extension
+from .reference import score_dtype as score_dtype_of_reference
+from .score import ScorePolicy
+
+BACKENDS = ("auto", "torch", "cuda")
+FORMS = ("auto", "quadratic", "linear")
+# The kernels compute logits and weights in fp32 whatever the inputs (fp32 accumulators, fp32 scores).
+KERNEL_SCORE_DTYPE = torch.float32
+LINEAR_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Choices measured on the kernels. ``from_keys`` maps a head dim to the key count from which
+    fastmax's linear form (p = 2) beat the tiled quadratic form, per moments path; ``chunked_rows`` is
+    the chunk of the Hopper chunked kernels (0: always the sweep); ``sweep_rows`` is the sweep's chunk,
+    fixed at compile time (kLinChunk in csrc)."""
+
+    sweep_from_keys: dict = field(default_factory=lambda: {16: 8192, 32: 8192, 64: 32768, 96: 65536, 128: 65536})
+    chunked_from_keys: dict = field(default_factory=lambda: {64: 16384, 128: 32768})
+    chunked_rows: int = 1024
+    sweep_rows: int = 128
+
+
+TUNING = Tuning()
+# Where each value of TUNING was measured (p = 2, causal forward + backward, bf16, b4 h8, H200).
+PROVENANCE = {
+    # The smallest measured power of two where the linear form was faster; near-ties (within 3%: d64 at
+    # 16384, d96 at 32768) stay quadratic, which needs a quarter of the memory.
+    "sweep_from_keys": "python benchmark.py --preset fastmax-linear -> bench/results_fastmax-linear.json, "
+                       "bench/runs/2026-11-21_s8_fastmax-crossover.json",
+    "chunked_from_keys": "bench/runs/2026-11-22_s18_fastmax.txt (bench/notes/run-23.md)",
+    # Longer chunks cost more diagonal blocks on the tiled kernel (N L / 2 pairs), shorter ones more
+    # state (an image of O(D^3) per chunk).
+    "chunked_rows": "python scripts/probes/chunk_rows.py -> bench/runs/2026-11-22_s17_chunk-rows.txt "
+                    "(bench/notes/run-22.md)",
+    "sweep_rows": "kLinChunk in attention_cuda/csrc",
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one call runs. backend: "cuda" or "torch"; form: "quadratic" or "linear"; path: "reference",
+    "tiled" (the quadratic kernels), "sweep" or "chunked" (the linear form's moments on the kernels);
+    chunk: rows per chunk of the linear form; run_dtype: what the inputs are cast to (autocast's dtype
+    on the kernels, as for SDPA); score_dtype: what logits and weights are computed in; why: a line per
+    decision."""
+
+    backend: str
+    form: str
+    path: str
+    chunk: int | None
+    run_dtype: torch.dtype
+    score_dtype: torch.dtype
+    why: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.backend}/{self.form}/{self.path}: " + "; ".join(self.why)
+
+
+def run_dtype(dtype: torch.dtype, on_kernels: bool) -> torch.dtype:
+    """The dtype a call runs in: on the kernels, autocast's when it is on (as for SDPA), else the inputs'."""
+    if on_kernels and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return dtype
+
+
+def kernels_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """None when the kernels take inputs of this device, dtype and head dim, else why not."""
+    reason = _extension.unavailable_reason()
+    if reason is not None:
+        return reason
+    if device.type != "cuda":
+        return f"inputs are on {device}, the kernels run on CUDA devices"
+    dtype = run_dtype(dtype, True)
+    if dtype not in _extension.DTYPES:
+        return f"q: dtype {dtype} is not supported by the kernels (float16, bfloat16, float32)"
+    if head_dim not in _extension.HEAD_DIMS:
+        return f"q: head dim {head_dim} is not supported by the kernels (one of {_extension.HEAD_DIMS})"
+    compiled = _extension.compiled_head_dims(dtype)
+    if head_dim not in compiled:
+        return (f"q: head dim {head_dim} is not compiled for {dtype} in this build (compiled: {compiled}); "
+                "rebuild without ATTN_HEADDIMS / ATTN_DTYPES")
+    return None
+
+
+def linear_kernels_reason(dtype: torch.dtype) -> str | None:
+    dtype = run_dtype(dtype, True)
+    if dtype not in LINEAR_KERNEL_DTYPES:
+        return f"q: the linear-form kernels take float16 and bfloat16, got {dtype} (use form='quadratic')"
+    return None
+
+
+def chunked_path(dtype: torch.dtype, head_dim: int, tuning: Tuning) -> bool:
+    """Whether the linear form's moments run on the chunked kernels (sm_90a builds on Hopper, fp16 and
+    bf16, d64 and d128) rather than on the sweep."""
+    return bool(tuning.chunked_rows) and head_dim in _extension.chunked_head_dims(run_dtype(dtype, True))
+
+
+def fastmax_features(head_dim: int, p: int) -> int:
+    """F, the feature count of fastmax's linear form: 1 + D (+ D(D+1)/2 for p = 2). The quadratic form
+    costs ~4·J·D per query and the linear one ~4·F·(D+1) per token, so linear needs fewer FLOPs once the
+    key count J exceeds about F."""
+    return 1 + head_dim + (head_dim * (head_dim + 1) // 2 if p == 2 else 0)
+
+
+def linear_from_keys(head_dim: int, p: int, dtype: torch.dtype, on_kernels: bool,
+                     tuning: Tuning = TUNING) -> tuple[float, str]:
+    """(the key count from which form="auto" takes the linear form, why): on the kernels the crossover
+    measured for the path that would carry it (p = 2 only: p = 1 is not measured, so never), on the
+    reference the FLOPs crossover."""
+    if not on_kernels:
+        return fastmax_features(head_dim, p) + 1, "the reference's FLOPs crossover (keys > features)"
+    if p != 2:
+        return math.inf, "p = 1's crossover on the kernels is not measured"
+    if chunked_path(dtype, head_dim, tuning) and head_dim in tuning.chunked_from_keys:
+        return tuning.chunked_from_keys[head_dim], f"the chunked kernels' measured crossover ({PROVENANCE['chunked_from_keys']})"
+    return tuning.sweep_from_keys.get(head_dim, math.inf), f"the sweep's measured crossover ({PROVENANCE['sweep_from_keys']})"
+
+
+def resolve(*, device: torch.device, dtype: torch.dtype, head_dim: int, keys: int, policy: ScorePolicy,
+            backend: str = "auto", form: str = "quadratic", dropout: float = 0.0,
+            tuning: Tuning | None = None) -> Plan:
+    """The plan for a call on inputs of this device, dtype and head dim, with ``keys`` keys.
+
+    backend="cuda" must run on the kernels or raise NotImplementedError saying why; "auto" takes them
+    when they can. form="auto" (fastmax) takes the linear form from linear_from_keys's key count. The
+    policy's logits and weights are checked against the dtype the plan computes them in (ValueError).
+    """
+    tuning = tuning or TUNING
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if form not in FORMS:
+        raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
+    if form != "quadratic" and policy.kind != "poly":
+        raise ValueError(f"form: the linear form is for the polynomial family, got {policy.kind!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout: expected a probability in [0, 1), got {dropout}")
+    if dropout > 0 and form == "linear":
+        raise NotImplementedError("dropout: the linear form cannot drop individual weights; "
+                                  "use form='quadratic' or dropout=0")
+    why = []
+    reason = "backend='torch' asked for" if backend == "torch" else (
+        "dropout: the kernels do not implement dropout (use dropout=0 or backend='torch')" if dropout > 0
+        else kernels_reason(device, dtype, head_dim))
+    if reason is None and form == "linear":
+        reason = linear_kernels_reason(dtype)
+    if reason is not None and backend == "cuda":
+        raise NotImplementedError(f'backend="cuda": {reason}')
+    on_kernels = reason is None
+    why.append("our kernels" if on_kernels else f"the PyTorch reference: {reason}")
+
+    if form == "auto":
+        start, basis = linear_from_keys(head_dim, round(policy.a2 != 0) + 1, dtype, on_kernels, tuning)
+        if on_kernels and linear_kernels_reason(dtype) is not None:
+            form, note = "quadratic", linear_kernels_reason(dtype)
+        elif dropout > 0:
+            form, note = "quadratic", "dropout exists only in the quadratic form"
+        else:
+            form = "linear" if keys >= start else "quadratic"
+            note = f"{keys} keys {'>=' if keys >= start else '<'} {start}, {basis}"
+        why.append(f"form {form}: {note}")
+
+    path, chunk = ("tiled" if on_kernels else "reference"), None
+    if form == "linear" and on_kernels:
+        chunked = chunked_path(dtype, head_dim, tuning)
+        path, chunk = ("chunked", tuning.chunked_rows) if chunked else ("sweep", tuning.sweep_rows)
+        if keys <= chunk:
+            # All keys fit in one chunk: the tiled kernel does the whole call as one block, at I*J*D, below
+            # the moments' cost. It also matters for precision: with one visible key the exact dq, dk are 0
+            # and dv is dO, which the tiled kernels hit exactly (P = 1); moments rounded to fp16/bf16 miss.
+            why.append(f"the {keys} keys fit one {path} chunk: one tiled block")
+            form, path, chunk = "quadratic", "tiled", None
+        else:
+            why.append(f"moments on the {path} kernels, {chunk} rows per chunk")
+    score_dtype = KERNEL_SCORE_DTYPE if on_kernels else score_dtype_of_reference(dtype, form == "linear")
+    policy.check_range(score_dtype)
+    return Plan("cuda" if on_kernels else "torch", form, path, chunk, run_dtype(dtype, on_kernels), score_dtype,
+                tuple(why))
