@@ -8,7 +8,12 @@ kernels on first use if a GPU and nvcc turn up later. Knobs (environment variabl
   ATTN_HEADDIMS         comma-separated subset of 16,32,64,96,128 (default all); narrow both for fast
                         development builds: inputs outside the build are reported as unsupported
   MAX_JOBS              parallel compile jobs (ninja)
+What is compiled (dtypes, head dims, sources, flags) comes from attention_cuda/build.py, the build list
+that the loader's JIT build and the tests read too; the per-(dtype, head dim) translation units are
+generated from it into build/attention_cuda_gen/. Only the library installs: the app (train.py, model/,
+data/) runs from the checkout.
 """
+import importlib.util
 import os
 import shutil
 import sys
@@ -16,10 +21,21 @@ from pathlib import Path
 
 from setuptools import setup
 
-ROOT = Path(__file__).parent
-CSRC = Path("attention_cuda") / "csrc"
-DTYPES = ("f16", "bf16", "f32")
-HEAD_DIMS = ("16", "32", "64", "96", "128")
+ROOT = Path(__file__).resolve().parent
+
+
+def _load_build_list():
+    """attention_cuda/build.py by path: the package's __init__ imports torch, which need not be there."""
+    spec = importlib.util.spec_from_file_location("_attention_cuda_build", ROOT / "attention_cuda" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+build = _load_build_list()
+CSRC = ROOT / "attention_cuda" / "csrc"
+DTYPES = tuple(d.tag for d in build.DTYPES)
+HEAD_DIMS = tuple(str(d) for d in build.HEAD_DIMS)
 
 
 def _subset(var, allowed):
@@ -35,6 +51,14 @@ def _pure_python(why: str):
     print(f"attention_cuda: {why}; installing pure Python (attention runs on the PyTorch reference; on a GPU "
           "with nvcc the kernels JIT-compile on first use)", file=sys.stderr)
     return [], {}
+
+
+def _extension_sources():
+    """The build's translation units (relative to ROOT, as setuptools wants them): the fixed ones under csrc
+    and the instantiations of the selected (dtype, head dim) pairs, written into build.SETUP_GEN_DIR."""
+    dtypes, head_dims = _subset("ATTN_DTYPES", DTYPES), _subset("ATTN_HEADDIMS", HEAD_DIMS)
+    paths = build.sources(ROOT / build.SETUP_GEN_DIR, CSRC, dtypes, [int(d) for d in head_dims])
+    return [p.relative_to(ROOT) for p in paths]
 
 
 def _cuda_extension():
@@ -68,14 +92,11 @@ def _cuda_extension():
                 self.extensions = []  # nothing to copy into the source tree or list as outputs
 
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
-    sources = [CSRC / "binding.cpp", CSRC / "aux.cu"]
-    sources += [CSRC / "inst" / f"{t}_hd{d}.cu" for t in _subset("ATTN_DTYPES", DTYPES)
-                for d in _subset("ATTN_HEADDIMS", HEAD_DIMS)]
-    nvcc_flags = (ROOT / CSRC / "nvcc_flags.txt").read_text().split()
-    if "9.0a" in os.environ["TORCH_CUDA_ARCH_LIST"]:
-        nvcc_flags.append("-DATTN_SM90A")  # the host side may launch the sm_90a kernels
-    ext = CUDAExtension("attention_cuda._C", [str(s) for s in sources],
-                        extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags})
+    nvcc_flags = build.nvcc_flags(os.environ["TORCH_CUDA_ARCH_LIST"], CSRC)
+    # Absolute: ninja compiles from the build folder.
+    include_dirs = [str(d) for d in build.include_dirs(CSRC)]
+    ext = CUDAExtension("attention_cuda._C", [str(s) for s in _extension_sources()], include_dirs=include_dirs,
+                        extra_compile_args={"cxx": ["-O3", *build.defines()], "nvcc": nvcc_flags})
     return [ext], {"build_ext": OptionalBuild}
 
 
@@ -83,10 +104,11 @@ ext_modules, cmdclass = _cuda_extension()
 setup(
     name="attention-cuda-gpt",
     version="0.1.0",
-    description="Cosine-sim, exp and fastmax attention kernels and a character-level GPT on enwik8",
-    packages=["attention_cuda", "model", "data"],
-    package_data={"attention_cuda": ["csrc/*.cpp", "csrc/*.h", "csrc/*.cuh", "csrc/*.cu", "csrc/*.txt",
-                                     "csrc/inst/*.cu"]},
+    description="Cosine-sim, exp and fastmax attention for PyTorch, with CUDA kernels",
+    packages=["attention_cuda"],
+    # The kernel sources, so that an installed copy can JIT-compile them (the loader generates the
+    # instantiations from build.py).
+    package_data={"attention_cuda": list(build.PACKAGE_DATA)},
     python_requires=">=3.10",
     ext_modules=ext_modules,
     cmdclass=cmdclass,

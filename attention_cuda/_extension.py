@@ -1,21 +1,21 @@
 """Loading the compiled ops: the extension that setup.py built (``attention_cuda._C``), else a JIT build
 of ``csrc/`` on first use (``torch.utils.cpp_extension.load``, cached under a name made from a hash of the
 sources, so an edit rebuilds and an unchanged tree reuses the build). The ops (``attn_cuda::fwd``, ``bwd``,
-the linear form's) are defined in csrc/binding.cpp; here they also get fake implementations, so that
-torch.compile traces through them without running them.
+the linear form's) are defined in csrc/binding/binding.cpp; here they also get fake implementations, so
+that torch.compile traces through them without running them. What is compiled is build.py's list.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 from pathlib import Path
 
 import torch
 
-CSRC = Path(__file__).parent / "csrc"
-HEAD_DIMS = (16, 32, 64, 96, 128)
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from . import build
+
+HEAD_DIMS = build.HEAD_DIMS
+DTYPES = tuple(getattr(torch, d.torch) for d in build.DTYPES)
 
 _UNSET = object()
 _reason = _UNSET      # None once the ops are loaded, else why they cannot be
@@ -36,16 +36,14 @@ def _jit_build() -> None:
     from torch.utils import cpp_extension
 
     arch = _arch_list()
-    digest = hashlib.sha256(arch.encode())
-    for f in sorted(p for p in CSRC.rglob("*") if p.is_file()):
-        digest.update(f.relative_to(CSRC).as_posix().encode() + b"\0" + f.read_bytes())
-    sources = [CSRC / "binding.cpp", CSRC / "aux.cu", *sorted((CSRC / "inst").glob("*.cu"))]
-    flags = (CSRC / "nvcc_flags.txt").read_text().split() + (["-DATTN_SM90A"] if "9.0a" in arch else [])
+    name = f"attention_cuda_{build.source_digest(arch)[:16]}"  # a hash of the sources: an edit rebuilds
+    sources = build.sources(Path(cpp_extension._get_build_directory(name, verbose=False)) / "gen")
     saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     try:
-        cpp_extension.load(name=f"attention_cuda_{digest.hexdigest()[:16]}", sources=[str(s) for s in sources],
-                           extra_cflags=["-O3"], extra_cuda_cflags=flags, is_python_module=False)
+        cpp_extension.load(name=name, sources=[str(s) for s in sources],
+                           extra_include_paths=[str(d) for d in build.include_dirs()], extra_cflags=["-O3", *build.defines()],
+                           extra_cuda_cflags=build.nvcc_flags(arch), is_python_module=False)
     finally:
         if saved is None:
             del os.environ["TORCH_CUDA_ARCH_LIST"]
@@ -103,10 +101,10 @@ def chunked_head_dims(dtype: torch.dtype) -> tuple[int, ...]:
 
 
 def _register_fakes() -> None:
-    """Shapes and dtypes of the ops' outputs (they must match csrc/binding.cpp), for torch.compile."""
+    """Shapes and dtypes of the ops' outputs (they must match csrc/binding/binding.cpp), for torch.compile."""
 
     @torch.library.register_fake("attn_cuda::fwd")
-    def _fwd(q, k, v, mask, bias, causal, kind, scale, qk_norm, a0, a1, a2, normalize):
+    def _fwd(q, k, v, mask, bias, causal, kind, scale, qk_norm, coef, normalize):
         b, h, i, d = q.shape
         f32 = dict(dtype=torch.float32, device=q.device)
         norms = qk_norm is not None
@@ -155,8 +153,8 @@ def _register_fakes() -> None:
         return acc.new_empty((acc.shape[0], acc.shape[2], n, dim), dtype=dtype)
 
     @torch.library.register_fake("attn_cuda::bwd")
-    def _bwd(dout, q, k, v, mask, bias, out, stat, rq, rk, causal, kind, scale, qk_norm, a0, a1, a2,
-             normalize, bias_grad):
+    def _bwd(dout, q, k, v, mask, bias, out, stat, rq, rk, causal, kind, scale, qk_norm, coef, normalize,
+             bias_grad):
         b, h, i, d = q.shape
         dbias = q.new_empty((b, h, i, k.shape[2]) if bias_grad else (0,))
         return q.new_empty((b, h, i, d)), k.new_empty(k.shape), v.new_empty(v.shape), dbias

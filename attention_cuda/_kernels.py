@@ -29,17 +29,17 @@ def attention(q, k, v, mask, bias, causal: bool, policy: ScorePolicy, dtype: tor
     if bias is not None:
         bias = bias.to(dtype)
     return _Attention.apply(q, k, v, mask, bias, causal, policy.kind, policy.scale, policy.qk_norm,
-                            policy.a0, policy.a1, policy.a2, policy.normalize_rows)
+                            policy.coef, policy.normalize_rows)
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, bias, causal, kind, scale, qk_norm, a0, a1, a2, normalize):
+    def forward(ctx, q, k, v, mask, bias, causal, kind, scale, qk_norm, coef, normalize):
         out, stat, rq, rk, kn = torch.ops.attn_cuda.fwd(q, k, v, mask, bias, causal, kind, scale, qk_norm,
-                                                        a0, a1, a2, normalize)
+                                                        coef, normalize)
         # Under the qk norm the kernels read the unit keys kn (k / |k| in k's dtype), the backward too.
         ctx.save_for_backward(q, kn if qk_norm is not None else k, v, mask, bias, out, stat, rq, rk)
-        ctx.args = (causal, kind, scale, qk_norm, a0, a1, a2, normalize)
+        ctx.args = (causal, kind, scale, qk_norm, coef, normalize)
         return out
 
     @staticmethod
@@ -48,7 +48,7 @@ class _Attention(torch.autograd.Function):
         bias_grad = ctx.needs_input_grad[4]
         dq, dk, dv, dbias = torch.ops.attn_cuda.bwd(dout, q, k, v, mask, bias, out, stat, rq, rk, *ctx.args,
                                                     bias_grad)
-        return dq, dk, dv, None, dbias if bias_grad else None, *([None] * 8)
+        return dq, dk, dv, None, dbias if bias_grad else None, *([None] * 6)
 
 
 def linear_attention(q, k, v, mask, causal: bool, policy: ScorePolicy, dtype: torch.dtype, chunk: int,
@@ -69,7 +69,7 @@ def linear_attention(q, k, v, mask, causal: bool, policy: ScorePolicy, dtype: to
     # there are fewer (masked, so those queries see none).
     front = k.shape[2] - q.shape[2] if causal else 0
     mask = None if mask is None else mask.contiguous()
-    return _LinearAttention.apply(q, k, v, mask, causal, (policy.a0, policy.a1, policy.a2), policy.scale,
+    return _LinearAttention.apply(q, k, v, mask, causal, policy.coef, policy.scale,
                                   max(front, 0), max(-front, 0), chunk, chunked)
 
 
@@ -120,7 +120,7 @@ class _LinearAttention(torch.autograd.Function):
             vc = ops.lin_rows(v, mask, None, shift_k, n_pad, d, chunk)
             keep = torch.ones(b, j, dtype=torch.bool, device=q.device) if mask is None else mask
             keep_c = torch.nn.functional.pad(keep, (shift_k, n_pad - j - shift_k)).view(-1, chunk)
-            diag = ops.fwd(*_diagonal(qc, kc, vc), keep_c, None, True, "poly", scale, None, *coefs, True)[:2]
+            diag = ops.fwd(*_diagonal(qc, kc, vc), keep_c, None, True, "poly", scale, None, coefs, True)[:2]
         out, inv_l = ops.lin_out(y, *diag, mu_h, shift_q, i, q.dtype)
         ctx.save_for_backward(mask, qc, kc, vc, vs, keep_c, out, inv_l, mu_h, *(state or (None, None)))
         ctx.args = (causal, coefs, scale, cr, shift_q, shift_k, j, chunked)
@@ -152,7 +152,7 @@ class _LinearAttention(torch.autograd.Function):
             rows = (b * n_pad // chunk, h, chunk, d)
             dout_c, out_c = (ops.lin_rows(x, None, None, shift_q, n_pad, d, chunk).view(rows) for x in (dout, out))
             diag = ops.bwd(dout_c, *_diagonal(qc, kc, vc), keep_c, None, out_c, inv_l.view(rows[:3]),
-                           inv_l.new_empty(0), inv_l.new_empty(0), True, "poly", scale, None, *coefs, True,
+                           inv_l.new_empty(0), inv_l.new_empty(0), True, "poly", scale, None, coefs, True,
                            False)[:3]
         return (ops.lin_grad(dq, gscale, diag[0], shift_q, i, d, out.dtype),
                 ops.lin_grad(dk, gscale, diag[1], shift_k, j, d, out.dtype),

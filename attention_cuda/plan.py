@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import _extension
+from . import _extension, build
 from .reference import score_dtype as score_dtype_of_reference
 from .score import ScorePolicy
 
@@ -30,13 +30,12 @@ LINEAR_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 class Tuning:
     """Choices measured on the kernels. ``from_keys`` maps a head dim to the key count from which
     fastmax's linear form (p = 2) beat the tiled quadratic form, per moments path; ``chunked_rows`` is
-    the chunk of the Hopper chunked kernels (0: always the sweep); ``sweep_rows`` is the sweep's chunk,
-    fixed at compile time (kLinChunk in csrc)."""
+    the chunk of the Hopper chunked kernels (0: always the sweep). The sweep's chunk is no choice: its
+    kernels are compiled for build.LINEAR_CHUNK rows."""
 
     sweep_from_keys: dict = field(default_factory=lambda: {16: 8192, 32: 8192, 64: 32768, 96: 65536, 128: 65536})
     chunked_from_keys: dict = field(default_factory=lambda: {64: 16384, 128: 32768})
     chunked_rows: int = 1024
-    sweep_rows: int = 128
 
 
 TUNING = Tuning()
@@ -51,7 +50,6 @@ PROVENANCE = {
     # state (an image of O(D^3) per chunk).
     "chunked_rows": "python scripts/probes/chunk_rows.py -> bench/runs/2026-11-22_s17_chunk-rows.txt "
                     "(bench/notes/run-22.md)",
-    "sweep_rows": "kLinChunk in attention_cuda/csrc",
 }
 
 
@@ -181,7 +179,7 @@ def resolve(*, device: torch.device, dtype: torch.dtype, head_dim: int, keys: in
     path, chunk = ("tiled" if on_kernels else "reference"), None
     if form == "linear" and on_kernels:
         chunked = chunked_path(dtype, head_dim, tuning)
-        path, chunk = ("chunked", tuning.chunked_rows) if chunked else ("sweep", tuning.sweep_rows)
+        path, chunk = ("chunked", tuning.chunked_rows) if chunked else ("sweep", build.LINEAR_CHUNK)
         if keys <= chunk:
             # All keys fit in one chunk: the tiled kernel does the whole call as one block, at I*J*D, below
             # the moments' cost. It also matters for precision: with one visible key the exact dq, dk are 0

@@ -71,6 +71,11 @@ class ScorePolicy:
                              f"above the dtype's max {limit:g}")
 
     @property
+    def coef(self) -> tuple[float, ...]:
+        """The score function's coefficients as the kernels take them (attn_cuda::fwd's coef)."""
+        return (self.a0, self.a1, self.a2)
+
+    @property
     def bounded(self) -> bool:
         """True when every weight is known to lie in (0, 1] without a running row max."""
         return self.kind == "cosine" and self.qk_norm == 1.0

@@ -194,7 +194,7 @@ GPU_POISONS = ["v_nan", "v_inf", "k_nan"]
 # in the backward; 0 * NaN = NaN). Masked keys are zeroed before the kernels (_kernels.attention), so padding
 # is safe. Strict, so that a fix shows up as XPASS and the marker goes.
 KERNELS_LEAK = pytest.mark.xfail(strict=True, reason="a kept key's garbage reaches rows of its diagonal tile "
-                                 "that cannot see it (fwd.cuh P V, bwd.cuh dP and dQ)")
+                                 "that cannot see it (quadratic/fwd_sm*.cuh P V, bwd_sm*.cuh dP and dQ)")
 GPU_CASE_PARAMS = [pytest.param(c, marks=KERNELS_LEAK) if GPU_CASES[c][7] != "masked" else c for c in GPU_CASES]
 
 

@@ -307,11 +307,12 @@ def test_fastmax_auto_form_on_the_kernels_follows_the_measured_crossover(fake_ke
     """Where the kernels run, "auto" takes their linear form from the key count measured per head dim
     (p = 2, fp16/bf16), else their tiled quadratic form; form="linear" reaches the linear-form kernels,
     whose limits raise; keys that fit one chunk run as one tiled block. Each decision says why."""
+    from attention_cuda import build
     from attention_cuda.plan import TUNING
     cross = TUNING.sweep_from_keys[16]
     assert fastmax_plan(cross - 1).form == "quadratic"
     linear = fastmax_plan(cross)
-    assert (linear.backend, linear.form, linear.path, linear.chunk) == ("cuda", "linear", "sweep", TUNING.sweep_rows)
+    assert (linear.backend, linear.form, linear.path, linear.chunk) == ("cuda", "linear", "sweep", build.LINEAR_CHUNK)
     assert "measured crossover" in str(linear) and "bench/" in str(linear)
     assert fastmax_plan(cross, backend="cuda").form == "linear"
     assert fastmax_plan(cross, p=1, a2=0.0, normalize=True).form == "quadratic"  # p = 1: not measured

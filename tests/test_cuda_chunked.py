@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from attention_cuda._kernels import _image_scale
+from test_cuda_kernels import LINEAR_DTYPES
 
 pytestmark = pytest.mark.gpu
 
@@ -56,7 +57,7 @@ def reference(ux, uw, rx, rg, upd, rd, causal, reverse, coef):
 @pytest.mark.parametrize("p", [1, 2])
 @pytest.mark.parametrize("order", ["causal", "reverse", "all"])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("dtype", LINEAR_DTYPES, ids=lambda t: str(t).split(".")[-1])
 def test_chunked_matches_float64(dtype, d, order, p, heads):
     o = ops()
     if d not in o.chunked_head_dims(dtype):

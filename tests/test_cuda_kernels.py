@@ -15,12 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention_cuda import cosine_sim_attention, exp_attention, fastmax_attention
+from attention_cuda import build, cosine_sim_attention, exp_attention, fastmax_attention
 
 pytestmark = pytest.mark.gpu
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-HEAD_DIMS = [16, 32, 64, 96, 128]
+DTYPES = [getattr(torch, d.torch) for d in build.DTYPES]  # the build list: attention_cuda/build.py
+LINEAR_DTYPES = [getattr(torch, d.torch) for d in build.DTYPES if d.linear]  # the linear form's
+HEAD_DIMS = list(build.HEAD_DIMS)
 ATOL = {torch.float16: 1e-3, torch.bfloat16: 2e-3, torch.float32: 2e-4}  # times max(|reference|, 1)
 
 FAMILIES = {
@@ -228,7 +229,7 @@ def test_upstream_gradient_at_any_offset(d):
 
 @pytest.mark.parametrize("portable", [True, False], ids=["mma_sync", "wgmma"])
 def test_causal_sections_of_heads(monkeypatch, portable):
-    """Long causal grids run in sections of a few heads (score.cuh's block_slot; at n16384 d128 bf16:
+    """Long causal grids run in sections of a few heads (quadratic/block.cuh's block_slot; at n16384 d128 bf16:
     four heads per forward section, two per backward one), so five heads end on a short section. Every
     block must run once: each head's output and dK, dV are the bits of that head run alone, whose grid
     is one section, and dQ (summed across blocks in another order) agrees to its rounding."""

@@ -5,8 +5,8 @@ Same error rule as test_cuda_kernels.py; the PyTorch yardstick in the input dtyp
 start and end mid-chunk, and cover i != j both ways. Calls whose keys fit one chunk (SHAPES' short ones)
 run on the tiled kernel as one block; the longer shapes exercise the moments.
 
-Two paths carry the moments: the sweep (linear.cuh, 128-row chunks, every GPU) and, on an sm_90a build
-on Hopper, the chunked kernels (lin_sm90.cuh, d64 and d128), run here with 256-row chunks so that these
+Two paths carry the moments: the sweep (csrc/linear/linear.cuh, 128-row chunks, every GPU) and, on an sm_90a build
+on Hopper, the chunked kernels (csrc/linear/lin_sm90.cuh, d64 and d128), run here with 256-row chunks so that these
 lengths cross them (1024 in use).
 """
 import math
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from attention_cuda import Tuning, _extension, fastmax_attention
-from test_cuda_kernels import SHAPES, compare, make_case, peak_extra_bytes
+from test_cuda_kernels import HEAD_DIMS, LINEAR_DTYPES, SHAPES, compare, make_case, peak_extra_bytes
 
 pytestmark = pytest.mark.gpu
 
@@ -52,22 +52,22 @@ def fastmax(p, path, **fixed):
 
 @pytest.mark.parametrize("p", [1, 2])
 @pytest.mark.parametrize("flag", ["none", "causal", "mask", "all"])
-@pytest.mark.parametrize("d", [16, 32, 64, 96, 128])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", LINEAR_DTYPES, ids=lambda t: str(t).split(".")[-1])
 def test_linear_form_matches_float64(dtype, d, flag, p, path):
     needs(path, d)
     cases = [(*make_case(shape, d, "fastmax", flag, seed=n), str(shape)) for n, shape in enumerate(LINEAR_SHAPES)]
     compare(cases, fastmax(p, path, temperature=math.sqrt(d)), dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("dtype", LINEAR_DTYPES, ids=lambda t: str(t).split(".")[-1])
 def test_linear_form_with_normalize_and_other_coefficients(dtype, path):
     cases = [(*make_case(shape, 64, "fastmax", "all", seed=n), str(shape)) for n, shape in enumerate(LINEAR_SHAPES)]
     compare(cases, fastmax(2, path, normalize=True, lim=1.5, a0=2.0, a1=0.5, a2=0.25), dtype)
 
 
 @pytest.mark.parametrize("flag", ["none", "causal"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("dtype", LINEAR_DTYPES, ids=lambda t: str(t).split(".")[-1])
 def test_linear_form_gradients_at_2048(dtype, flag, path):
     """dk and dv come from moments of psi(q) dO / l, which shrink as rows add up: scaled by the row
     count they fell into fp16's subnormals (an emulation of the old kernel: dk 39x, dv 21x the bar here)."""
@@ -75,7 +75,7 @@ def test_linear_form_gradients_at_2048(dtype, flag, path):
     compare(cases, fastmax(2, path, temperature=8.0), dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("dtype", LINEAR_DTYPES, ids=lambda t: str(t).split(".")[-1])
 def test_linear_form_values_with_an_offset(dtype, path):
     """v = N(4, 1): dO.v_s and dO.O grow with the offset and cancel in dq and dk (the sweeps take v - mean;
     without it an emulation reached 1.0x the bar in bf16 dq, with it 0.5x)."""

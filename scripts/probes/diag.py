@@ -37,13 +37,13 @@ dout_c = ops.lin_rows(do, None, None, 0, N, d, L).view(rows)
 
 
 def fwd(x, mask):
-    return ops.fwd(*x, mask, None, True, "poly", scale, None, *coefs, True)
+    return ops.fwd(*x, mask, None, True, "poly", scale, None, coefs, True)
 
 
 def bwd(x, mask, saved):
     out, inv_l = saved[:2]
     e = inv_l.new_empty(0)
-    return ops.bwd(dout_c, *x, mask, None, out, inv_l, e, e, True, "poly", scale, None, *coefs, True, False)
+    return ops.bwd(dout_c, *x, mask, None, out, inv_l, e, e, True, "poly", scale, None, coefs, True, False)
 
 
 for name, x, mask in (("views + mask (as called)", views, keep), ("views, no mask", views, None),

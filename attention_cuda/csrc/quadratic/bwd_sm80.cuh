@@ -9,21 +9,9 @@
 // One barrier per step: the next Q/dO tile loads while this one is used, and the dQ product of a step
 // runs during the next one, from a second dS buffer.
 #pragma once
-#include "score.cuh"
+#include "block.cuh"
 
 namespace attn {
-
-template <class T, int D>
-struct BwdConfig {
-  static constexpr int kWarps = 8, kCols = 128;  // keys per block, 16 per warp
-  static constexpr int kRows = 64;                // queries per step
-  static constexpr bool kKVInRegs = D <= 64;      // larger head dims re-read K/V fragments each step
-};
-template <int D>
-struct BwdConfig<float, D> {
-  static constexpr int kWarps = 4, kCols = 64, kRows = D <= 64 ? 32 : 16;
-  static constexpr bool kKVInRegs = D <= 64;
-};
 
 template <class T, int D>
 struct BwdSmem {  // K | V | 2 x Q | 2 x dO | 2 x dS^T | 2 x (stat, delta, 1/|q|) vectors
@@ -67,14 +55,14 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
   // Logits y with hidden pairs at -inf (the forward's visibility rules), then P and dL/dx per
   // element. With the qk norm the keys are the forward's unit rows k/|k| (attn_fwd), so dS~ = dL/dx *
   // dy/d(q.k) = dL/dx * alpha rq flows into dK (to k/|k|, which bwd_store_dkdv takes back to k) and dQ.
-  // The weights repeat the forward's arithmetic: scale = alpha rq per query and, for a fixed shift on
-  // tiles without edges or bias, one fused exp2(s * scale - shift); elsewhere the shift comes off after
-  // the bias.
+  // The weights repeat the forward's arithmetic: scale = alpha rq per query and, for a policy whose
+  // backward works on y - offset (kBwdOffset), on tiles without edges or bias one fused FMA
+  // s * scale - offset; elsewhere the offset comes off after the bias.
   float2 arq[kNQ];  // alpha/|q| of this thread's two queries in each column tile
 #pragma unroll
   for (int nq = 0; nq < kNQ; ++nq) {
     const float2 rq2 = p.rq ? *reinterpret_cast<const float2*>(v_rq + nq * 8 + 2 * tq) : make_float2(1.f, 1.f);
-    arq[nq] = make_float2(p.alpha * rq2.x, p.alpha * rq2.y);
+    arq[nq] = make_float2(p.score.alpha * rq2.x, p.score.alpha * rq2.y);
   }
   auto scale_of = [&](int nq, int e) { return (e & 1) ? arq[nq].y : arq[nq].x; };
   auto each_score = [&](auto&& f) {  // f(nq, e) for each of the thread's scores
@@ -84,12 +72,12 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
       for (int e = 0; e < 4; ++e) f(nq, e);
   };
   auto query_of = [&](int nq, int e) { return m0 + nq * 8 + 2 * tq + (e & 1); };
-  constexpr bool kShift = Policy::kExp && !Policy::kRowMax;
   const bool edge = n0 + kBc > p.J || m0 + kBr > p.I || mask != nullptr || (p.causal && n0 + kBc - 1 > m0 + p.J - p.I);
   const T* bias = p.bias ? static_cast<const T*>(p.bias) + b * p.bias_sb + h * p.bias_sh : nullptr;
-  const float fused_shift = kShift && !edge && !bias ? p.shift : 0.f;
+  constexpr bool kOffset = Policy::kBwdOffset;
+  const float fused_offset = kOffset && !edge && !bias ? Policy::bwd_offset(p.score) : 0.f;
   each_score([&](int nq, int e) {
-    if constexpr (kShift) sc[nq][e] = fmaf(sc[nq][e], scale_of(nq, e), -fused_shift);  // exactly s * r unfused
+    if constexpr (kOffset) sc[nq][e] = fmaf(sc[nq][e], scale_of(nq, e), -fused_offset);  // exactly s * r unfused
     else sc[nq][e] *= scale_of(nq, e);
   });
   if (edge) {
@@ -101,13 +89,13 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
   if (bias) {
     each_score([&](int nq, int e) {
       if (sc[nq][e] != -INFINITY)
-        sc[nq][e] = fmaf(p.beta, bias_at(p, bias, query_of(nq, e), key0 + 8 * (e >> 1)), sc[nq][e]);
+        sc[nq][e] = fmaf(p.score.beta, bias_at(p, bias, query_of(nq, e), key0 + 8 * (e >> 1)), sc[nq][e]);
     });
   }
-  // The polynomial, unlike exp2, has no zero at -inf: the hidden pairs are marked here, and their P and
-  // dL/dx set to 0 after the per-element loop, so tiles without edges or bias test nothing per element.
+  // Where the weight has no zero at -inf (!kZeroAtHidden), the hidden pairs are marked here, and their P
+  // and dL/dx set to 0 after the per-element loop, so tiles without edges or bias test nothing per element.
   uint32_t hidden = 0;
-  if constexpr (!Policy::kExp) {
+  if constexpr (!Policy::kZeroAtHidden) {
     static_assert(kNQ * 4 <= 32, "one bit per score");
     if (edge || bias) {
       each_score([&](int nq, int e) {
@@ -115,7 +103,7 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
       });
     }
   }
-  if (kShift && (edge || bias)) each_score([&](int nq, int e) { sc[nq][e] -= p.shift; });
+  if (kOffset && (edge || bias)) each_score([&](int nq, int e) { sc[nq][e] -= Policy::bwd_offset(p.score); });
   // P and dL/dx per element; dL/dx is also d(loss)/d(bias) for the rare dbias store, before it is
   // scaled into dS~ (a separate loop keeps the store's index tests off the common path).
 #pragma unroll
@@ -124,12 +112,7 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
     const float2 delta2 = *reinterpret_cast<const float2*>(v_delta + nq * 8 + 2 * tq);
     float P[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float y = sc[nq][e];
-      if constexpr (Policy::kRowMax) P[e] = ex2(y - ((e & 1) ? stat2.y : stat2.x));
-      else if constexpr (kShift) P[e] = ex2(y);  // y - shift already
-      else P[e] = pol.weight(y);
-    }
+    for (int e = 0; e < 4; ++e) P[e] = pol.bwd_weight(sc[nq][e], (e & 1) ? stat2.y : stat2.x);
     if constexpr (!Policy::kRowMax) {  // the weights as the forward rounded them for P V, over the row sum
 #pragma unroll
       for (int e = 0; e < 4; e += 2) {
@@ -195,7 +178,8 @@ __device__ __forceinline__ void bwd_store_dkdv(const Params& p, float (&dk)[D / 
       T* dvp = static_cast<T*>(p.dv) + (static_cast<int64_t>(bhk) * p.J + s) * D;
 #pragma unroll
       for (int nd = 0; nd < kND; ++nd) {
-        stg_pair(dkp + nd * 8 + 2 * tq, p.grad_scale * dk[nd][2 * hf], p.grad_scale * dk[nd][2 * hf + 1]);
+        stg_pair(dkp + nd * 8 + 2 * tq, p.score.grad_scale * dk[nd][2 * hf],
+                 p.score.grad_scale * dk[nd][2 * hf + 1]);
         stg_pair(dvp + nd * 8 + 2 * tq, dv[nd][2 * hf], dv[nd][2 * hf + 1]);
       }
     }
@@ -361,7 +345,7 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(co
     add_dq(p, p.dq_accum + static_cast<int64_t>(b * p.H + at.h) * p.I * D, dqa, at.m0 + rg * 16, D, c0);
   };
 
-  const Policy pol(p);
+  const Policy pol(p.score);
   float dk[kND][4] = {}, dv[kND][4] = {};
   for (int step = 0; step < steps; ++step) {
     // This step's Q/dO tile has landed for every thread, every warp is done with step-1 (so the dS~

@@ -1,4 +1,4 @@
-// Backward on Hopper (sm_90a): the mma.sync backward's block and step structure (bwd.cuh) with every
+// Backward on Hopper (sm_90a): the mma.sync backward's block and step structure (bwd_sm80.cuh) with every
 // product on warpgroup MMAs reading their operands straight from swizzled shared memory.
 //
 // One block per (batch, kv head, 128 keys): two warpgroups of 64 keys, each warp 16 of them, so the
@@ -8,36 +8,37 @@
 // registers feed dV += P^T dO and dK += dS~^T Q as register A operands, while dS~^T goes to shared
 // memory for dQ = dS~ K (each warpgroup half of the head dim's columns): at d64 in the next step, added
 // to the fp32 buffer with vector atomics; at d128 at the end of the same step, added with a bulk
-// reduce. Loads are double-buffered, cp.async at d64 and TMA at d128, one barrier per step (two at
-// d128). (A producer warpgroup with TMA and mbarrier hand-offs between the warpgroups, as in the
-// forward, was slower here: branch next/bwd-ws, bench/NOTES.md run 14. So were the hand-offs without
-// the producer, and warpgroup 1 skewed half a step so that its exps run under warpgroup 0's products:
-// +27% and +16% at d64, branch next/bwd-skew, run 24.)
+// reduce. Loads are double-buffered, cp.async at d64 and TMA at d128 (quadratic/tiles.h), one barrier
+// per step (two at d128). (A producer warpgroup with TMA and mbarrier hand-offs between the warpgroups,
+// as in the forward, was slower here (bench/notes/run-14.md). So were the hand-offs without the
+// producer, and warpgroup 1 skewed half a step so that its exps run under warpgroup 0's products: two
+// loop bodies, one per warpgroup, miss the instruction cache where one shared body does not
+// (bench/notes/run-24.md).)
 #pragma once
-#include "bwd.cuh"
-#include "wgmma.cuh"
+#include "../common/wgmma.cuh"
+#include "bwd_sm80.cuh"
 
 namespace attn {
 
 template <class T, int D>
 struct Sm90Bwd {
-  static constexpr bool kSupported = sizeof(T) == 2 && (D == 64 || D == 128);
+  using Tl = Tiles<T, D>;
+  static constexpr bool kSupported = Tl::kSm90;
   static cudaError_t run(const Params& p, Score score, cudaStream_t stream);  // the launch, after the kernel
   // Keys per block (64 per warpgroup) and queries per step. dQ for a step's queries is split by head
-  // dim columns: each warpgroup kDQ of them. kBulkDQ: how it leaves the block (see the kernel).
-  static constexpr int kWarps = 8, kCols = 128, kRows = 64, kDQ = D / 2;
-  static constexpr bool kBulkDQ = D > 64;
-  // kTma: a step's tiles arrive by TMA (see the kernel). H200, bf16: the d128 backward 2-3% faster than
-  // with cp.async by every thread, the d64 one 7-9% slower (bench/NOTES.md run 28).
-  static constexpr bool kTma = D > 64;
+  // dim columns: each warpgroup kDQ of them. kBulkDQ: how it leaves the block; kTma: a step's tiles
+  // arrive by TMA (quadratic/tiles.h says why, the kernel how).
+  static constexpr int kWarps = Tl::kSm90BwdWarps, kCols = Tl::kSm90BwdCols, kRows = Tl::kSm90BwdRows, kDQ = D / 2;
+  static constexpr bool kBulkDQ = Tl::kRow.sm90_bwd_bulk_dq;
+  static constexpr bool kTma = Tl::kRow.sm90_bwd_tma;
   static constexpr int kTileK = kCols * D * sizeof(T), kTileQ = kRows * D * sizeof(T);
   static constexpr int kTileS = kCols * kRows * sizeof(T);
   // K | V | 2 x Q | 2 x dO | 2 x dS~^T | 2 x (stat, delta, 1/|q|) | with kBulkDQ one dQ tile (fp32,
   // dq_tile_slot's order) | two mbarriers (kTma), every tile 1024-byte aligned (the swizzle
   // pattern's period), plus the slack to align the dynamic shared memory's start. One dQ tile keeps
   // d128 (199,184 bytes) within the 196 KB shared-memory carve-out, which leaves L1 60 KB; two tiles
-  // need the 228 KB one, which leaves 28 KB (H200, b1 h32 8192, when the kernel still spilled: 7.27 ms
-  // with two tiles, 7.09 with one, 7.91 with one under the 228 KB carve-out; bench/NOTES.md run 18).
+  // need the 228 KB one, which leaves 28 KB, and the same kernel ran slower with the smaller L1
+  // (bench/notes/run-18.md).
   static constexpr int kK = 0, kV = kTileK, kQ = 2 * kTileK, kDO = kQ + 2 * kTileQ, kDS = kDO + 2 * kTileQ;
   static constexpr int kVec = kDS + 2 * kTileS, kDQS = kVec + 2 * 3 * kRows * 4, kTileDQ = kRows * D * 4;
   static constexpr int kBar = kDQS + (kBulkDQ ? kTileDQ : 0), kBytes = kBar + 16 + 1024;
@@ -141,7 +142,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
   // group. At d64 it is issued ahead of the next step's S^T and dP^T, its accumulator live with theirs.
   // At d128 that makes 255 registers and ~120 bytes of spills per thread, so it goes in once both
   // warpgroups' dS~^T is stored, ahead of the second half's dV and dK, its registers those of the
-  // consumed S^T and dP^T: no spills, 13% faster (H200, b1 h32 8192; bench/NOTES.md run 25).
+  // consumed S^T and dP^T: no spills (bench/notes/run-25.md).
   // dq_keys: n 16-key slices of the reduction from slice kk0, the first overwriting dqa unless acc.
   float dqa[kDQ / 8][4];
   auto dq_keys = [&](int stage, int kk0, int n, bool acc) {
@@ -155,16 +156,15 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
     dq_keys(stage, 0, kBc / 16, false);
     wgmma_commit();
   };
-  // dQ leaves the block one of two ways (H200, bench/NOTES.md run 17). Atomics: each thread adds its
+  // dQ leaves the block one of two ways (kBulkDQ, quadratic/tiles.h). Atomics: each thread adds its
   // accumulator with vector atomics, one per column tile of the next step's exps (all at once back up
   // the memory pipe, and each register they still have to read stalls the next write to it); rows
   // past the end go to the scratch row after dq_accum (no branch, which would rebuild the address per
-  // atomic). At d128 the atomics cost 40% of the backward (b1 h32 8192): each step's proxy fence is a
-  // memory barrier that holds every thread until its atomics have drained. kBulkDQ: the accumulator
-  // goes to a staging tile in shared memory (16-byte stores at the end of the step) and, after the
-  // next step's barrier, one elected thread per warpgroup adds it to dq_accum's tiles with a bulk
-  // reduce (the TMA unit): 10-12% faster at d128, but 17-23% slower at d64, where the atomics hide
-  // behind the rest of the step.
+  // atomic). At d128 each step's proxy fence is a memory barrier that holds every thread until its
+  // atomics have drained. kBulkDQ: the accumulator goes to a staging tile in shared memory (16-byte
+  // stores at the end of the step) and, after the next step's barrier, one elected thread per
+  // warpgroup adds it to dq_accum's tiles with a bulk reduce (the TMA unit); at d64 the atomics hide
+  // behind the rest of the step, and the staging would cost more than it saves.
   constexpr int kAtomics = kDQ / 4, kStores = kDQ / 8;  // per thread and step
   float* const dq_scratch = p.dq_accum + static_cast<int64_t>(p.B) * p.H * p.I * D;
   float* dq_ptr[2];  // atomics: this thread's two rows, at its first column
@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
       if (!C::kBulkDQ && step > 0) dq_add((hq * kNQ / 2 + nq) * (kAtomics / kNQ) + j);
   };
 
-  const Policy pol(p);
+  const Policy pol(p.score);
   float dk[kND][4] = {}, dv[kND][4] = {};
   for (int step = 0; step < steps; ++step) {
     // This step's tiles have landed for every thread and, like step-1's dS~^T (d64) or dQ staging (d128)
@@ -218,10 +218,10 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
     // (d64) The previous step's dQ, then S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys x 64
     // queries, all in flight together; the next step's tiles start loading behind them.
     // Warpgroup 1 issues after warpgroup 0 has (named barrier 1): the tensor cores then finish
-    // warpgroup 0's products first, and its exps start while warpgroup 1's run (H200: the cosine
-    // backward 3-5% faster, the polynomial's unchanged; bench/NOTES.md run 16). Both sides bar.sync,
-    // warpgroup 1 reaches it first anyway; with bar.arrive racecheck reported warpgroup 0's next
-    // cp.async as racing with warpgroup 1's reads, which the block barrier already orders.
+    // warpgroup 0's products first, and its exps start while warpgroup 1's run (bench/notes/run-16.md).
+    // Both sides bar.sync, warpgroup 1 reaches it first anyway; with bar.arrive racecheck reported
+    // warpgroup 0's next cp.async as racing with warpgroup 1's reads, which the block barrier already
+    // orders.
     float sc[kNQ][4], dp[kNQ][4];
     if (wg == 1) named_sync(1, kThreads);
     wgmma_fence();
@@ -268,7 +268,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
       }
       if (C::kBulkDQ && hq == 1) {  // dQ ahead of the second half's dV and dK
         // dQ over this warpgroup's own keys first, behind a barrier of its own: warpgroup 0, a turn
-        // ahead, has them in the tensor pipe while it waits for warpgroup 1's dS~^T (H200: 1.5% faster; run 29).
+        // ahead, has them in the tensor pipe while it waits for warpgroup 1's dS~^T (bench/notes/run-29.md).
         constexpr int kWgSlices = kBc / 32;  // 16-key slices per warpgroup
         store_ds_sm90<T>(ds_tile(stage), da, wkey);
         fence_proxy_async();

@@ -63,8 +63,8 @@ __device__ __forceinline__ void stsm_x4(uint32_t addr, uint32_t r0, uint32_t r1,
 // The warp's index, broadcast from lane 0 so that the compiler knows it is the same across the warp:
 // what is derived from it (the warpgroup's tile offsets, hence the descriptors) then lives in uniform
 // registers. From threadIdx.x / 32 alone every descriptor went through vector registers and an R2UR
-// per wgmma (H200, together with desc_at: the forward 11-13% and the backward 3-5% faster; desc_at
-// alone had slowed the d64 forward by 9%; bench/NOTES.md run 16).
+// per wgmma, and desc_at's one add per wgmma pays off only where the base is uniform (without this,
+// desc_at had slowed the d64 forward; bench/notes/run-16.md).
 __device__ __forceinline__ int warp_index() { return __shfl_sync(0xffffffffu, threadIdx.x / 32, 0); }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }

@@ -8,22 +8,9 @@
 // row sums l come from the tensor cores too (P times a column of ones): they add up the weights as
 // rounded for P V, so every output row is exactly the convex combination of v that was computed.
 #pragma once
-#include "score.cuh"
+#include "block.cuh"
 
 namespace attn {
-
-template <class T, int D>
-struct FwdConfig {
-  static constexpr int kWarps = 4, kRows = 128;         // 32 query rows per warp: K/V fragments serve 2 m-tiles
-  static constexpr int kCols = D <= 64 ? 64 : 32;       // keys per tile (bounded by S + O registers)
-  static constexpr bool kQInRegs = D <= 64;             // larger head dims re-read Q from shared memory
-};
-template <int D>
-struct FwdConfig<float, D> {  // TF32: twice the bytes per element, so smaller tiles
-  static constexpr int kWarps = 4, kRows = 64;
-  static constexpr int kCols = D <= 64 ? 64 : 32;
-  static constexpr bool kQInRegs = D <= 64;
-};
 
 template <class T, int D>
 struct FwdSmem {  // Q tile | kStages x K tile | kStages x V tile
@@ -65,21 +52,12 @@ __device__ __forceinline__ void fwd_scores(const Params& p, const Policy& pol, f
   bool fused = false;
   if constexpr (!Policy::kRowMax) {
     if (!edge && !bias) {  // the common case, fused: no hidden pair, no bias
-      if constexpr (Policy::kExp) {  // A = exp2(s * scale - shift)
-        each_score([&](float& x, int mt, int, int e) { x = ex2(fmaf(x, rs[mt][e >> 1], -pol.shift)); });
-      } else {
-        // The polynomial with one scale c per row: a0 + a1 (c s) + a2 (c s)^2 = a0 + s (a1 c + a2 c^2 s),
-        // two FMAs per score with the row's coefficients.
-        float b1[kMT][2], b2[kMT][2];
+      typename Policy::Row row[kMT][2];  // the rows' constants, once per tile
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
+      for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-          for (int hf = 0; hf < 2; ++hf)
-            b1[mt][hf] = pol.a1 * rs[mt][hf], b2[mt][hf] = pol.a2 * rs[mt][hf] * rs[mt][hf];
-        each_score([&](float& x, int mt, int, int e) {
-          x = fmaf(x, fmaf(b2[mt][e >> 1], x, b1[mt][e >> 1]), pol.a0);
-        });
-      }
+        for (int hf = 0; hf < 2; ++hf) row[mt][hf] = pol.row(rs[mt][hf]);
+      each_score([&](float& x, int mt, int, int e) { x = pol.fused(x, row[mt][e >> 1]); });
       fused = true;
     }
   }
@@ -95,7 +73,8 @@ __device__ __forceinline__ void fwd_scores(const Params& p, const Policy& pol, f
     if (bias) {
       each_score([&](float& x, int mt, int nc, int e) {
         if (x != -INFINITY)
-          x = fmaf(p.beta, bias_at(p, bias, row0 + mt * 16 + g + 8 * (e >> 1), n0 + nc * 8 + 2 * tq + (e & 1)), x);
+          x = fmaf(p.score.beta, bias_at(p, bias, row0 + mt * 16 + g + 8 * (e >> 1), n0 + nc * 8 + 2 * tq + (e & 1)),
+                   x);
       });
     }
     if constexpr (Policy::kRowMax) {
@@ -110,18 +89,18 @@ __device__ __forceinline__ void fwd_scores(const Params& p, const Policy& pol, f
           m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
           const float m_new = fmaxf(mx[mt][hf], m);
           const float base = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet stays 0
-          const float corr = ex2(mx[mt][hf] - base);
+          const float corr = pol.rebase(mx[mt][hf], base);
           mx[mt][hf] = m_new;
 #pragma unroll
           for (int nd = 0; nd < kND; ++nd) o[mt][nd][2 * hf] *= corr, o[mt][nd][2 * hf + 1] *= corr;
 #pragma unroll
           for (int nc = 0; nc < kNC; ++nc)
 #pragma unroll
-            for (int c = 0; c < 2; ++c) s[mt][nc][2 * hf + c] = ex2(s[mt][nc][2 * hf + c] - base);
+            for (int c = 0; c < 2; ++c) s[mt][nc][2 * hf + c] = pol.rebase(s[mt][nc][2 * hf + c], base);
         }
     } else {
-      each_score([&](float& y, int, int, int) {
-        y = Policy::kExp || y != -INFINITY ? pol.weight(y) : 0.f;  // exp2(-inf) is 0 already
+      each_score([&](float& y, int, int, int) {  // a hidden pair's weight is 0 (tested unless weight(-inf) is)
+        y = Policy::kZeroAtHidden || y != -INFINITY ? pol.weight(y) : 0.f;
       });
     }
   }
@@ -192,7 +171,7 @@ struct FwdBlock {
           rq = t < p.I ? 1.f / fmaxf(sqrtf(ss), kNormEps) : 0.f;
           if (tq == 0 && t < p.i_pad) p.rq[row_vec + t] = rq;
         }
-        rs[mt][hf] = p.alpha * (t < p.I ? rq : 1.f);
+        rs[mt][hf] = p.score.alpha * (t < p.I ? rq : 1.f);
       }
   }
 
@@ -214,9 +193,7 @@ struct FwdBlock {
         for (int nd = 0; nd < D / 8; ++nd)
           sts_pair<T>(sq.at(r, (nd * 8 + 2 * tq) * sizeof(T)), o[mt][nd][2 * hf] * inv, o[mt][nd][2 * hf + 1] * inv);
         if (tq == 0 && m0 + r < p.i_pad) {  // the pad rows too: the backward reads whole tiles of stat
-          float stat = inv;
-          if constexpr (Policy::kRowMax) stat = l > 0.f ? mx[mt][hf] + log2f(l) : INFINITY;
-          p.stat[row_vec + m0 + r] = stat;
+          p.stat[row_vec + m0 + r] = Policy::row_stat(l, inv, mx[mt][hf]);
         }
       }
     __syncwarp();
@@ -278,7 +255,7 @@ __global__ void __launch_bounds__(FwdConfig<T, D>::kWarps * 32) fwd_kernel(const
       for (int kk = 0; kk < kKD; ++kk) M::lda(qf[mt][kk], sQ, wrow + mt * 16, kk * 16);
   }
 
-  const Policy pol(p);
+  const Policy pol(p.score);
   float o[kMT][kND + 1][4] = {};  // O, then the row sums (P * ones): rows g and g+8 in elements 0 and 2
   uint32_t ones[M::kB];
   M::ones_b(ones);

@@ -6,7 +6,7 @@
 //              one CTA per (batch, kv head, kTiles image tiles) walking the chunks in order, the state as
 //              wgmma accumulators (M = features, N = w's columns, K = rows); before each chunk it
 //              writes S_c, coefficients applied, as an "image": tiles of 64 features x the columns,
-//              already in the 64-byte-swizzled layout of wgmma.cuh, so that a reader copies a tile
+//              already in the 64-byte-swizzled layout of common/wgmma.cuh, so that a reader copies a tile
 //              into shared memory with one bulk copy;
 //   lin_read   every (chunk, 128 rows) at once: R1 y = psi(x) S_c (M = rows, N = w's columns,
 //              K = features), R2 dq = d psi(x) . (S_c g) (M = rows, N = features, K = g's columns,
@@ -18,8 +18,8 @@
 // at column D). With L >= 512 the state costs a few percent of the products, and every product is a
 // dense GEMM with no per-chunk latency in it.
 #pragma once
+#include "../common/wgmma.cuh"
 #include "linear.cuh"
-#include "wgmma.cuh"
 
 namespace attn {
 
@@ -67,8 +67,8 @@ template <class T, int D>
 struct LinState90 {
   using F = LinFeatures<D>;
   static constexpr int kTiles = D <= 32 ? 2 : D <= 64 ? 3 : 2;  // image tiles per CTA (accumulators)
-  // Rows per stage, one warpgroup: 128 at d64 halves the stage barriers (1.01 -> 0.93 ms, b4 h8 N16384);
-  // at d128 two such stages leave one CTA per SM (6.5 vs 4.8 ms), so 64 (bench/NOTES.md run 23).
+  // Rows per stage, one warpgroup: 128 at d64 halves the stage barriers; at d128 two such stages leave
+  // one CTA per SM, which costs more than the barriers, so 64 (bench/notes/run-23.md).
   static constexpr int kRows = D <= 64 ? 128 : 64, kThreads = 128;
   static constexpr int kXPitch = (D + 16) * 2 + 16;
   static constexpr int kW = F::kPanels * 64 * kRows, kX = kRows * kXPitch, kStage = kW + kX;

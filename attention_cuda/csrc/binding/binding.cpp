@@ -10,10 +10,11 @@
 #include <cstdlib>
 #include <map>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <utility>
 
-#include "params.h"
+#include "registry.h"
 
 namespace attn {
 namespace {
@@ -131,42 +132,18 @@ Call check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const optio
   return c;
 }
 
-struct Policy {
-  attn::Score score;
-  float alpha, beta, shift, grad_scale;
-};
-
-// Logit y = alpha (q.k) rq rk + beta bias, in log2 units for the exp family. Weights A = exp2(y - shift)
-// need no running max when every y lies within `bound` of zero and the smallest weight stays a normal
-// number of the type P is rounded to for P V: unit-norm q and k without bias give |x| <= |scale| n^2.
-// fp16 weights are shifted up by 2^15 so that [2^-2bound, 1] lands in fp16's normal range.
-Policy make_policy(c10::string_view kind, double scale, optional<double> qk_norm, bool normalize, bool has_bias,
-                   at::ScalarType dtype) {
-  const double n2 = qk_norm ? *qk_norm * *qk_norm : 1.0, c = scale * n2;
-  Policy pol;
-  if (kind == "poly") {
-    pol.score = attn::Score::kPoly, pol.alpha = c, pol.beta = 1.f, pol.shift = 0.f, pol.grad_scale = 1.f;
-    return pol;
-  }
-  TORCH_CHECK(kind == "cosine" || kind == "exp", "attn_cuda: unknown score kind '", std::string(kind), "'");
-  constexpr double kLog2e = 1.4426950408889634;
-  pol.alpha = c * kLog2e, pol.beta = kLog2e, pol.grad_scale = 1.0 / kLog2e;
-  if (!normalize) {  // weights are taken literally: cosine exp(x - scale), exp exp(x)
-    pol.score = attn::Score::kExpFixed, pol.shift = kind == "cosine" ? scale * kLog2e : 0.0;
-    return pol;
-  }
-  const double bound = std::abs(c) * kLog2e;
-  const bool fp16 = dtype == at::kHalf;
-  if (qk_norm && !has_bias && 2 * bound <= (fp16 ? 29.0 : 100.0)) {
-    pol.score = attn::Score::kExpFixed, pol.shift = fp16 ? bound - 15.0 : bound;
-  } else {
-    pol.score = attn::Score::kExpRowMax, pol.shift = 0.f;
-  }
-  return pol;
+// The score function's variant and constants for a call (score/score.cuh).
+attn::ScoreChoice make_score(c10::string_view kind, double scale, optional<double> qk_norm, at::ArrayRef<double> coef,
+                             bool normalize, bool has_bias, at::ScalarType dtype) {
+  attn::ScoreChoice choice;
+  TORCH_CHECK(attn::choose_score(std::string_view(kind.data(), kind.size()), scale, qk_norm.has_value(),
+                                 qk_norm.value_or(0.0), coef.data(), static_cast<int>(coef.size()), normalize,
+                                 has_bias, dtype == at::kHalf, &choice),
+              "attn_cuda: unknown score kind '", std::string(kind), "'");
+  return choice;
 }
 
-attn::Params make_params(const Call& c, const Policy& pol, bool causal, bool normalize, double a0, double a1,
-                         double a2) {
+attn::Params make_params(const Call& c, const attn::ScoreChoice& score, bool causal, bool normalize) {
   attn::Params p{};
   p.B = c.B, p.H = c.H, p.Hkv = c.Hkv, p.I = c.I, p.J = c.J, p.group = c.H / c.Hkv;
   p.q = c.q.data_ptr(), p.k = c.k.data_ptr(), p.v = c.v.data_ptr();
@@ -180,21 +157,21 @@ attn::Params make_params(const Call& c, const Policy& pol, bool causal, bool nor
   }
   p.i_pad = attn::pad4(c.I), p.j_pad = attn::pad4(c.J);
   p.causal = causal, p.normalize = normalize;
-  p.alpha = pol.alpha, p.beta = pol.beta, p.shift = pol.shift, p.grad_scale = pol.grad_scale;
-  p.a0 = a0, p.a1 = a1, p.a2 = a2;
+  p.score = score.params;
   return p;
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                                     const optional<Tensor>& mask, const optional<Tensor>& bias,
                                                     bool causal, c10::string_view kind, double scale,
-                                                    optional<double> qk_norm, double a0, double a1, double a2,
+                                                    optional<double> qk_norm, at::ArrayRef<double> coef,
                                                     bool normalize) {
   const Call c = check_inputs(q, k, v, mask, bias);
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const Policy pol = make_policy(kind, scale, qk_norm, normalize, bias.has_value(), q.scalar_type());
-  attn::Params p = make_params(c, pol, causal, normalize, a0, a1, a2);
+  const attn::ScoreChoice score = make_score(kind, scale, qk_norm, coef, normalize, bias.has_value(),
+                                             q.scalar_type());
+  attn::Params p = make_params(c, score, causal, normalize);
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor out = at::empty({c.B, c.H, c.I, c.D}, q.options());
   Tensor stat = at::empty({c.B, c.H, p.i_pad}, f32);
@@ -216,7 +193,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_fwd(const Tensor& q, con
   p.o = out.data_ptr(), p.stat = stat.data_ptr<float>();
   // A forward block streams its kv head's K and V, which the group's adjacent query heads share.
   p.section = causal ? attn::section_heads(c.B * c.H, 2 * int64_t{c.J} * c.D * q.element_size() / p.group) : 1;
-  check_ok(c.fwd(p, pol.score, stream), "forward kernel");
+  check_ok(c.fwd(p, score.score, stream), "forward kernel");
   return {out, stat, rq, rk, kn};
 }
 
@@ -226,7 +203,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_bwd(const Tensor& dout, const Te
                                                     const optional<Tensor>& bias, const Tensor& out,
                                                     const Tensor& stat, const Tensor& rq, const Tensor& rk,
                                                     bool causal, c10::string_view kind, double scale,
-                                                    optional<double> qk_norm, double a0, double a1, double a2,
+                                                    optional<double> qk_norm, at::ArrayRef<double> coef,
                                                     bool normalize, bool bias_grad) {
   const Call c = check_inputs(q, k, v, mask, bias);
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "attn_cuda: dout and out must have q's shape");
@@ -240,8 +217,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_bwd(const Tensor& dout, const Te
   TORCH_CHECK(!bias_grad || bias, "attn_cuda: bias_grad needs a bias");
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const Policy pol = make_policy(kind, scale, qk_norm, normalize, bias.has_value(), q.scalar_type());
-  attn::Params p = make_params(c, pol, causal, normalize, a0, a1, a2);
+  const attn::ScoreChoice score = make_score(kind, scale, qk_norm, coef, normalize, bias.has_value(),
+                                             q.scalar_type());
+  attn::Params p = make_params(c, score, causal, normalize);
   // Contiguous, and 16-byte aligned like q, k, v: an upstream gradient can be a view at any offset.
   const Tensor dout_c = rows_aligned(dout.contiguous()), out_c = rows_aligned(out.contiguous());
   const Tensor stat_c = rows_aligned(stat.contiguous());
@@ -261,11 +239,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_bwd(const Tensor& dout, const Te
   const int64_t head_bytes = int64_t{p.group} * c.I * c.D * (2 * q.element_size() + sizeof(float));
   p.section = causal ? attn::section_heads(c.B * c.Hkv, head_bytes) : 1;
   check_ok(attn::run_delta(c.dtype, p, c.D, stream), "delta");
-  check_ok(c.bwd(p, pol.score, stream), "backward kernel");
+  check_ok(c.bwd(p, score.score, stream), "backward kernel");
   return {dq, dk, dv, dbias};
 }
 
-// One sweep of fastmax's linear form (linear.cuh) over chunk-major (B, chunks, heads, kLinChunk, D + 16)
+// One sweep of fastmax's linear form (linear/linear.cuh) over chunk-major (B, chunks, heads, kLinChunk, D + 16)
 // tensors. Returns (r1, r2), fp32: r1 (B, chunks, Hr, kLinChunk, D + 16) when r1_tiles > 0, r2
 // (B, chunks, Hr, kLinChunk, D) when want_r2; each is empty otherwise.
 std::tuple<Tensor, Tensor> attn_linear(const Tensor& ux, const Tensor& uw, const Tensor& rx,
@@ -310,7 +288,7 @@ std::tuple<Tensor, Tensor> attn_linear(const Tensor& ux, const Tensor& uw, const
   return {r1, r2};
 }
 
-// The chunked Hopper linear form (lin_sm90.cuh) over chunk-major (B, chunks, heads, L, D + 16) tensors.
+// The chunked Hopper linear form (linear/lin_sm90.cuh) over chunk-major (B, chunks, heads, L, D + 16) tensors.
 void chunked_kernels(const Tensor& x, attn::LinStateFn* state, attn::LinReadFn* read, const char* op) {
   attn::Dtype dtype;
   TORCH_CHECK(x.dim() == 5, "attn_cuda: ", op, ": expected chunk-major (B, chunks, heads, L, D + 16) rows, got ",
@@ -399,7 +377,7 @@ std::vector<int64_t> chunked_head_dims(at::ScalarType dtype) {
   return dims;
 }
 
-// The linear form's row passes (aux.cu): natural (B, H, n, D) rows <-> chunk-major (B, chunks, H, L, W)
+// The linear form's row passes (linear/rows.cu): natural (B, H, n, D) rows <-> chunk-major (B, chunks, H, L, W)
 // ones, chunk row t = natural row t - shift; L (rows per chunk) is 128 for the sweep (kLinChunk) and
 // larger for the Hopper chunked form.
 attn::Dtype lin_dtype(at::ScalarType t) {
@@ -523,10 +501,10 @@ std::vector<int64_t> head_dims(at::ScalarType dtype) {
 TORCH_LIBRARY(attn_cuda, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, bool causal, str kind, float scale, "
-      "float? qk_norm, float a0, float a1, float a2, bool normalize) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "float? qk_norm, float[] coef, bool normalize) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor out, Tensor stat, "
-      "Tensor rq, Tensor rk, bool causal, str kind, float scale, float? qk_norm, float a0, float a1, float a2, "
+      "Tensor rq, Tensor rk, bool causal, str kind, float scale, float? qk_norm, float[] coef, "
       "bool normalize, bool bias_grad) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "linear(Tensor ux, Tensor uw, Tensor rx, Tensor? rg, int upd_heads, int rd_heads, bool causal, bool reverse, "

@@ -12,8 +12,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "params.h"
-
 namespace attn {
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
@@ -112,23 +110,6 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x on the SFU; ex2(-inf) = 
   return y;
 }
 
-// The Hopper backward's dQ sums come in tiles of kDqTileRows (64) query rows x D, each laid out as its
-// two warpgroups hold them ([column tile of 8][thread][4], the m64 accumulator's registers; warpgroup
-// wg's column tiles are the D / 16 from wg D / 16), so that a step's tile goes to shared memory with
-// conflict-free 16-byte stores and to global memory with one bulk reduce per warpgroup. A tile's 16-byte
-// slot k holds rows `row` and row + 8 at columns `col` and col + 1, in that order:
-struct DqSlot {
-  int row, col;
-};
-__host__ __device__ __forceinline__ DqSlot dq_tile_slot(int k) {
-  static_assert(kDqTileRows == 64, "four warps of 16 rows");
-  const int thread = k % 128;
-  return {thread / 32 * 16 + thread % 32 / 4, k / 128 * 8 + thread % 4 * 2};
-}
-// A head's rows in that layout: I rounded up to whole tiles.
-__host__ __device__ __forceinline__ int dq_tiled_rows(int I) {
-  return (I + kDqTileRows - 1) / kDqTileRows * kDqTileRows;
-}
 // fp32 atomics of two neighbouring floats (one vector reduction on sm_90).
 __device__ __forceinline__ void red_add2(float* p, float a, float b) {
 #if __CUDA_ARCH__ >= 900
@@ -174,7 +155,7 @@ struct Elem<float> {
 // A pair of values as the tensor cores see them once converted to T (fp32 inputs run as TF32). For
 // 16-bit T one packing conversion serves both, and back is integer ops (bf16) or a widening half add
 // (HADD2.F32, fp16): fewer instructions per element than a conversion there and back, and none on
-// the conversion unit, which the backward's exps need (bench/NOTES.md run 16).
+// the conversion unit, which the backward's exps need (bench/notes/run-16.md).
 template <class T>
 __device__ __forceinline__ float2 round_for_mma(float2 x) {
   if constexpr (sizeof(T) == 2) {

@@ -1,31 +1,30 @@
-// Forward on Hopper (sm_90a): the mma.sync forward's math (fwd.cuh: fwd_scores, the epilogue) on
+// Forward on Hopper (sm_90a): the mma.sync forward's math (fwd_sm80.cuh: fwd_scores, the epilogue) on
 // warpgroup MMAs, fed by TMA and scheduled FlashAttention-3's way.
 //
 // One block per (batch, head, kRows query rows) has a producer warpgroup and kWG consumer warpgroups
-// of 64 rows (3 at d64, 2 at d128). The producer (one thread, its warpgroup's registers handed over
-// with setmaxnreg) streams K/V tiles of 128 keys through kStages stages with TMA, each stage guarded
-// by full and empty mbarriers, so no consumer ever waits on a block-wide barrier. A consumer computes
-// S = Q K^T (wgmma, Q and K K-major in shared memory) into exactly the registers the mma.sync kernel
-// has it in, turns it into weights with the shared per-element code, and feeds them back as register A
-// operands of O += P V (V read MN-major). Overlaps keep the tensor cores busy through the exps:
+// of 64 rows (3 at d64, 2 at d128: quadratic/tiles.h). The producer (one thread, its warpgroup's
+// registers handed over with setmaxnreg) streams K/V tiles of 128 keys through kStages stages with TMA,
+// each stage guarded by full and empty mbarriers, so no consumer ever waits on a block-wide barrier. A
+// consumer computes S = Q K^T (wgmma, Q and K K-major in shared memory) into exactly the registers the
+// mma.sync kernel has it in, turns it into weights with the shared per-element code, and feeds them back
+// as register A operands of O += P V (V read MN-major). Overlaps keep the tensor cores busy through the exps:
 //   - the consumers take turns issuing their products (named barriers, round robin), so one's exps
 //     run while the others' matrix products do;
 //   - at d128, within a warpgroup, P V of tile j - 1 is issued right after S of tile j and runs while
 //     S_j's exps are computed; P_j is written into the A registers only once that P V has completed.
 //     (Three warpgroups at d64 lack the registers to hold P through the exps; they wait for both.)
 #pragma once
-#include "fwd.cuh"
-#include "wgmma.cuh"
+#include "../common/wgmma.cuh"
+#include "fwd_sm80.cuh"
 
 namespace attn {
 
 template <class T, int D>
 struct Sm90Fwd {
-  static constexpr bool kSupported = sizeof(T) == 2 && (D == 64 || D == 128);
+  using Tl = Tiles<T, D>;
+  static constexpr bool kSupported = Tl::kSm90;
   static cudaError_t run(const Params& p, Score score, cudaStream_t stream);  // the launch, after the kernel
-  // Consumer warpgroups: at d64 a warpgroup's exps take about as long as its products, so a third one
-  // keeps the tensor cores fed (H200, bf16, N16384: 423 vs 375 TF with two); d128 has registers for two.
-  static constexpr int kWG = D <= 64 ? 3 : 2, kCols = 128;  // keys per tile
+  static constexpr int kWG = Tl::kSm90FwdWGs, kCols = Tl::kSm90FwdCols;  // consumer warpgroups, keys per tile
   static constexpr int kThreads = (kWG + 1) * 128, kRows = 64 * kWG;
   // Registers per thread after setmaxnreg: the producer keeps 24, the consumers share the rest.
   static constexpr int kProducerRegs = 24, kFree = (65536 / 128 - kProducerRegs) / kWG / 8 * 8;
@@ -127,7 +126,7 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1)
   float rs[1][2];
   blk.row_scales(sQ, rs, wrow);
 
-  const Policy pol(p);
+  const Policy pol(p.score);
   float o[1][kND + 1][4] = {};  // O, then the row sums: rows g and g + 8 in elements 0 and 2
   float mx[1][2] = {{-INFINITY, -INFINITY}};  // running row max (kRowMax only)
   float s[1][kNC][4];

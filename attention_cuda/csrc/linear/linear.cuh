@@ -31,9 +31,9 @@
 // scale left it in fp16's subnormals (digits lost; the dk/dv gradient cases failed). bf16 has fp32's
 // exponent range and needs no scale.
 #pragma once
-#include "mma.cuh"
+#include "../common/launch.cuh"
+#include "../common/mma.cuh"
 #include "params.h"
-#include "score.cuh"
 
 namespace attn {
 
@@ -51,8 +51,7 @@ struct LinConfig {
   // (R2 reads them transposed); every warp's y for kYTiles m16 tiles of rows (fp32 16 x 16, padded), as
   // many as fit. Shared-memory fp32 atomics are CAS loops on sm_90, so partial sums meet without them.
   // Each flush of y costs a barrier (two where the slots are reused within the chunk): a pad of 2
-  // floats (not 4) fits all 8 tiles of a chunk at d64, one flush per chunk (fwd+bwd -3% on the H200,
-  // bench/NOTES.md run 13).
+  // floats (not 4) fits all 8 tiles of a chunk at d64, one flush per chunk (bench/notes/run-13.md).
   static constexpr int kYPitch = 16 + 2, kYTile = 16 * kYPitch, kGroupTile = 16 * kWPitch;
   static constexpr int kPair = kL * kXPitch + kL * kWPitch;  // one (x, w) pair of tiles
   // dq's pitch: the R2 stores of a warp (16 rows x its kRows columns) fall in distinct banks or two.
@@ -68,9 +67,10 @@ struct LinConfig {
   static constexpr int kYTiles = kYFit >= 8 ? 8 : kYFit >= 4 ? 4 : 2;
   static constexpr int kBytes = kFixed + kYTiles * kWarps * kYTile * 4;
   static int parts(bool second) { return second ? D / (kWarps * kRows) : 0; }
-  // Row -1 in the part's CTAs rather than CTAs of its own: d32 only, where one part holds every row
-  // and the fold made fwd+bwd 7% faster on the H200. It made d16 15% slower and d64's sweeps 10% slower
-  // at the training shape (bench/NOTES.md, run 12), so elsewhere the kernel does without its registers.
+  // Row -1 in the part's CTAs rather than CTAs of its own: a row -1 CTA, with a fraction of a part's
+  // products, takes about as long as a full one (the sweep is bound by its per-chunk latency), so at d32,
+  // where one part holds every row, the fold halves the CTAs. Elsewhere the registers it takes cost more
+  // than the CTAs it saves (d16 and d64 ran slower folded; bench/notes/run-12.md).
   static constexpr bool kFold = D == 32;
 };
 

@@ -1,3 +1,0 @@
-#include "../kernels.cuh"
-
-ATTN_REGISTER(__nv_bfloat16, kBF16, 32)

@@ -1,3 +1,0 @@
-#include "../kernels.cuh"
-
-ATTN_REGISTER(__half, kF16, 64)

@@ -1,3 +1,0 @@
-#include "../kernels.cuh"
-
-ATTN_REGISTER(float, kF32, 64)

@@ -1,0 +1,83 @@
+// The tile sizes of the quadratic kernels: one row per head dim (kTileTable), and the choices that depend
+// on the element type alone. Every kernel's configuration (FwdConfig, BwdConfig here; Sm90Fwd, Sm90Bwd in
+// their files, which add the shared-memory layouts that follow) reads them from here. A head dim without
+// a row does not compile: a new head dim in build.py's HEAD_DIMS takes a row here.
+#pragma once
+
+namespace attn {
+
+struct HeadDimTiles {
+  int d;
+  // mma.sync forward (sm_80+): keys per K/V tile, bounded by the S and O registers a warp holds; and
+  // whether a warp's Q fragments stay in registers (else re-read from shared memory each tile).
+  int fwd_cols;
+  bool fwd_q_in_regs;
+  // mma.sync backward: whether a warp's K/V fragments stay in registers (else re-read each step), and
+  // the fp32 (TF32) kernel's queries per step.
+  bool bwd_kv_in_regs;
+  int bwd_rows_f32;
+  // The wgmma kernels (sm_90a, fp16/bf16 only), where sm90 is set:
+  //  - forward: consumer warpgroups of 64 query rows. At d64 a warpgroup's exps take about as long as
+  //    its products, so a third warpgroup keeps the tensor cores fed; d128 has registers for two;
+  //  - backward, bulk_dq: a step's dQ leaves the block by one bulk reduce per warpgroup from a staging
+  //    tile (the TMA unit) rather than by each thread's vector atomics. At d128 the atomics held every
+  //    thread at the step's proxy fence until they drained; at d64 they hide behind the rest of the
+  //    step, where staging costs more (bench/notes/run-17.md);
+  //  - backward, tma: a step's Q/dO tiles arrive by TMA, issued by one thread once its warpgroup's
+  //    products are out, rather than by every thread's cp.async. It saves d128's registers and issue
+  //    slots; d64's shorter step, not bound by shared memory, does better with the copies spread over
+  //    all threads (bench/notes/run-28.md).
+  bool sm90;
+  int sm90_fwd_wgs;
+  bool sm90_bwd_bulk_dq, sm90_bwd_tma;
+};
+
+inline constexpr HeadDimTiles kTileTable[] = {
+    // D   | mma.sync fwd: | mma.sync bwd:         | wgmma: kernels  fwd  bwd:
+    //     | keys  Q regs  | K/V regs  fp32 rows   |        warpgroups     bulk dQ  TMA
+    {16,     64,   true,     true,     32,           false,   0,            false,   false},
+    {32,     64,   true,     true,     32,           false,   0,            false,   false},
+    {64,     64,   true,     true,     32,           true,    3,            false,   false},
+    {96,     32,   false,    false,    16,           false,   0,            false,   false},
+    {128,    32,   false,    false,    16,           true,    2,            true,    true},
+};
+
+constexpr HeadDimTiles tiles_of(int D) {
+  for (const HeadDimTiles& row : kTileTable)
+    if (row.d == D) return row;
+  return HeadDimTiles{};
+}
+
+// The choices by element type, the same at every head dim (T: __half, __nv_bfloat16 or float; fp32 runs
+// as TF32, whose operands take twice the bytes per element, so its tiles are smaller).
+template <class T, int D>
+struct Tiles {
+  static constexpr HeadDimTiles kRow = tiles_of(D);
+  static_assert(kRow.d == D, "no row for this head dim in kTileTable (quadratic/tiles.h)");
+  static constexpr bool k16 = sizeof(T) == 2;
+  // mma.sync forward: 4 warps of 32 query rows (K/V fragments serve 2 m-tiles), fp32 16 rows.
+  static constexpr int kFwdWarps = 4, kFwdRows = k16 ? 128 : 64;
+  // mma.sync backward: a warp per 16 keys, queries per step.
+  static constexpr int kBwdWarps = k16 ? 8 : 4, kBwdCols = 16 * kBwdWarps, kBwdRows = k16 ? 64 : kRow.bwd_rows_f32;
+  // wgmma: forward K/V tiles of 128 keys; backward blocks of 128 keys (two warpgroups of 64) and steps of
+  // 64 queries, one dQ tile (kDqTileRows, quadratic/params.h).
+  static constexpr bool kSm90 = k16 && kRow.sm90;
+  static constexpr int kSm90FwdWGs = kRow.sm90 ? kRow.sm90_fwd_wgs : 1;  // 1: no kernel (never launched)
+  static constexpr int kSm90FwdCols = 128, kSm90BwdWarps = 8, kSm90BwdCols = 128, kSm90BwdRows = 64;
+};
+
+// The mma.sync kernels' configurations.
+template <class T, int D>
+struct FwdConfig {
+  using Tl = Tiles<T, D>;
+  static constexpr int kWarps = Tl::kFwdWarps, kRows = Tl::kFwdRows, kCols = Tl::kRow.fwd_cols;
+  static constexpr bool kQInRegs = Tl::kRow.fwd_q_in_regs;
+};
+template <class T, int D>
+struct BwdConfig {
+  using Tl = Tiles<T, D>;
+  static constexpr int kWarps = Tl::kBwdWarps, kCols = Tl::kBwdCols, kRows = Tl::kBwdRows;
+  static constexpr bool kKVInRegs = Tl::kRow.bwd_kv_in_regs;
+};
+
+}  // namespace attn
