@@ -19,7 +19,11 @@ DTYPES = tuple(getattr(torch, d.torch) for d in build.DTYPES)
 
 _UNSET = object()
 _reason = _UNSET      # None once the ops are loaded, else why they cannot be
+# What the loaded extension says of itself, read once: plans and fakes then stay plain Python, which
+# torch.compile traces through without calling an op.
 _head_dims = {}       # dtype -> head dims compiled into the loaded extension
+_chunked = {}         # dtype -> head dims the chunked linear-form kernels run on this device
+_image_bytes = {}     # (head dim, second order) -> bytes of a chunk's state image (csrc's chunked_image_bytes)
 
 
 def _pad4(n):
@@ -74,12 +78,18 @@ def _load() -> str | None:
             return (f"{''.join(problems)}the extension failed to build: {_first_error_line(e)}; for the full "
                     "log run `python -c 'import attention_cuda._extension as e; e._jit_build()'`, or install it "
                     "with `pip install --no-build-isolation -e .` on a machine with nvcc")
+    ops = torch.ops.attn_cuda
     for dt in DTYPES:
-        _head_dims[dt] = tuple(torch.ops.attn_cuda.head_dims(dt))
+        _head_dims[dt], _chunked[dt] = tuple(ops.head_dims(dt)), tuple(ops.chunked_head_dims(dt))
+        _image_bytes.update({(d, second): ops.chunked_image_bytes(d, second)
+                             for d in _chunked[dt] for second in (False, True)})
     _register_fakes()
     return None
 
 
+# A constant once known: under torch.compile the first call (which loads the ops, or fails to) runs
+# outside the trace instead of being traced through the loader.
+@torch.compiler.assume_constant_result
 def unavailable_reason() -> str | None:
     """None when the kernels are loaded and a CUDA device exists, else why not and how to fix it."""
     global _reason
@@ -95,9 +105,7 @@ def compiled_head_dims(dtype: torch.dtype) -> tuple[int, ...]:
 
 def chunked_head_dims(dtype: torch.dtype) -> tuple[int, ...]:
     """The head dims the linear form's chunked (Hopper) kernels run for dtype here: none without the ops."""
-    if unavailable_reason() is not None or dtype not in DTYPES:
-        return ()
-    return tuple(torch.ops.attn_cuda.chunked_head_dims(dtype))
+    return () if unavailable_reason() is not None else _chunked.get(dtype, ())
 
 
 def _register_fakes() -> None:
@@ -122,10 +130,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("attn_cuda::lin_state")
     def _lin_state(x, w, heads, causal, reverse, second, coef, scale):
         b, chunks, hx, _, dp = x.shape
-        nb = (dp - 16) // 16
-        groups = nb + 1 + (16 * nb * (nb + 1) // 2 if second else 0)
-        image_bytes = (groups + 3) // 4 * ((dp - 8 + 31) // 32) * 64 * 64  # chunked_image_bytes in binding.cpp
-        return x.new_empty((b, hx // heads, chunks if causal else 1, image_bytes), dtype=torch.uint8)
+        return x.new_empty((b, hx // heads, chunks if causal else 1, _image_bytes[dp - 16, second]), dtype=torch.uint8)
 
     @torch.library.register_fake("attn_cuda::lin_read")
     def _lin_read(x, g, image, heads, second, r1_cols, scale):

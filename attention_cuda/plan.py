@@ -59,7 +59,8 @@ class Plan:
     "tiled" (the quadratic kernels), "sweep" or "chunked" (the linear form's moments on the kernels);
     chunk: rows per chunk of the linear form; run_dtype: what the inputs are cast to (autocast's dtype
     on the kernels, as for SDPA); score_dtype: what logits and weights are computed in; why: a line per
-    decision."""
+    decision, each a tuple of parts that str() joins. Joined only when read: under torch.compile with
+    dynamic shapes a key count is symbolic, and tracing cannot format it into a string."""
 
     backend: str
     form: str
@@ -67,10 +68,10 @@ class Plan:
     chunk: int | None
     run_dtype: torch.dtype
     score_dtype: torch.dtype
-    why: tuple[str, ...]
+    why: tuple[tuple, ...]
 
     def __str__(self) -> str:
-        return f"{self.backend}/{self.form}/{self.path}: " + "; ".join(self.why)
+        return f"{self.backend}/{self.form}/{self.path}: " + "; ".join("".join(map(str, line)) for line in self.why)
 
 
 def run_dtype(dtype: torch.dtype, on_kernels: bool) -> torch.dtype:
@@ -163,18 +164,18 @@ def resolve(*, device: torch.device, dtype: torch.dtype, head_dim: int, keys: in
     if reason is not None and backend == "cuda":
         raise NotImplementedError(f'backend="cuda": {reason}')
     on_kernels = reason is None
-    why.append("our kernels" if on_kernels else f"the PyTorch reference: {reason}")
+    why.append(("our kernels",) if on_kernels else ("the PyTorch reference: ", reason))
 
     if form == "auto":
         start, basis = linear_from_keys(head_dim, round(policy.a2 != 0) + 1, dtype, on_kernels, tuning)
         if on_kernels and linear_kernels_reason(dtype) is not None:
-            form, note = "quadratic", linear_kernels_reason(dtype)
+            form, note = "quadratic", (linear_kernels_reason(dtype),)
         elif dropout > 0:
-            form, note = "quadratic", "dropout exists only in the quadratic form"
+            form, note = "quadratic", ("dropout exists only in the quadratic form",)
         else:
             form = "linear" if keys >= start else "quadratic"
-            note = f"{keys} keys {'>=' if keys >= start else '<'} {start}, {basis}"
-        why.append(f"form {form}: {note}")
+            note = (keys, " keys >= " if keys >= start else " keys < ", start, ", ", basis)
+        why.append(("form ", form, ": ", *note))
 
     path, chunk = ("tiled" if on_kernels else "reference"), None
     if form == "linear" and on_kernels:
@@ -184,10 +185,10 @@ def resolve(*, device: torch.device, dtype: torch.dtype, head_dim: int, keys: in
             # All keys fit in one chunk: the tiled kernel does the whole call as one block, at I*J*D, below
             # the moments' cost. It also matters for precision: with one visible key the exact dq, dk are 0
             # and dv is dO, which the tiled kernels hit exactly (P = 1); moments rounded to fp16/bf16 miss.
-            why.append(f"the {keys} keys fit one {path} chunk: one tiled block")
+            why.append(("the ", keys, " keys fit one ", path, " chunk: one tiled block"))
             form, path, chunk = "quadratic", "tiled", None
         else:
-            why.append(f"moments on the {path} kernels, {chunk} rows per chunk")
+            why.append(("moments on the ", path, " kernels, ", chunk, " rows per chunk"))
     score_dtype = KERNEL_SCORE_DTYPE if on_kernels else score_dtype_of_reference(dtype, form == "linear")
     policy.check_range(score_dtype)
     return Plan("cuda" if on_kernels else "torch", form, path, chunk, run_dtype(dtype, on_kernels), score_dtype,

@@ -303,6 +303,20 @@ def fastmax_plan(keys, head_dim=16, dtype=torch.bfloat16, **kwargs):
                                **{"form": "auto", **FASTMAX, **kwargs})
 
 
+def test_the_plan_traces_with_a_symbolic_key_count():
+    """Under torch.compile with a dynamic sequence length the plan's key count is symbolic: it is kept in
+    the plan's reasons as it is (formatted only when read), so the call traces as one graph."""
+    def f(q, k, v):
+        return fastmax_attention(q, k, v, causal=True, form="auto", temperature=4.0).square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    for n in (40, 56):
+        q, k, v = (torch.randn(1, 2, n, 16) for _ in range(3))
+        for t in (q, k, v):
+            torch._dynamo.mark_dynamic(t, 2)
+        torch.testing.assert_close(compiled(q, k, v), f(q, k, v))
+
+
 def test_fastmax_auto_form_on_the_kernels_follows_the_measured_crossover(fake_kernels):
     """Where the kernels run, "auto" takes their linear form from the key count measured per head dim
     (p = 2, fp16/bf16), else their tiled quadratic form; form="linear" reaches the linear-form kernels,

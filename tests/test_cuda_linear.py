@@ -133,3 +133,22 @@ def test_linear_form_memory_grows_linearly():
 
     short, long = step(16384), step(65536)
     assert long <= 4.5 * short, (short, long)
+
+
+def test_torch_compile_traces_the_linear_form(path):
+    """The linear form's ops have fakes (lin_state's output sized by csrc's own chunked_image_bytes), so
+    torch.compile traces a whole forward and backward without running them."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 600, 64, generator=g, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    tuning = tuning_for(path)
+
+    def f(q, k, v):
+        out = fastmax_attention(q, k, v, causal=True, temperature=8.0, form="linear", backend="cuda", tuning=tuning)
+        return out.float().square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    want = torch.autograd.grad(f(q, k, v), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)

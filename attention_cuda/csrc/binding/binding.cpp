@@ -302,7 +302,8 @@ void chunked_kernels(const Tensor& x, attn::LinStateFn* state, attn::LinReadFn* 
               "stages at d64, lin_read's blocks), got ", x.size(3));
 }
 
-// Image bytes per (batch, kv head, chunk): tiles of 64 features x (D + 8 rounded up to 32) columns.
+// Image bytes per (batch, kv head, chunk): tiles of 64 features x (D + 8 rounded up to 32) columns. An op
+// too, so that lin_state's fake (attention_cuda/_extension.py) sizes its output by this one formula.
 int64_t chunked_image_bytes(int64_t D, bool second) {
   const int64_t nb = D / 16, groups = nb + 1 + (second ? 16 * nb * (nb + 1) / 2 : 0);
   return (groups + 3) / 4 * ((D + 8 + 31) / 32) * 64 * 64;
@@ -520,6 +521,7 @@ TORCH_LIBRARY(attn_cuda, m) {
   m.def("lin_read(Tensor x, Tensor? g, Tensor image, int heads, bool second, int r1_cols, Tensor scale) "
         "-> (Tensor, Tensor)");
   m.def("chunked_head_dims(ScalarType dtype) -> int[]", &chunked_head_dims);
+  m.def("chunked_image_bytes(int D, bool second) -> int", &chunked_image_bytes);
 }
 
 TORCH_LIBRARY_IMPL(attn_cuda, CUDA, m) {
