@@ -1,8 +1,14 @@
-"""Train the byte-level GPT on enwik8.
+"""Train the byte-level GPT on enwik8, or on the associative-recall probe.
 
     python train.py                                     # configs/base on a GPU, configs/tiny_cpu (minutes) on a CPU
     python train.py --seq-len 8192 --use-cuda-kernel    # configs/base on a GPU, cosine-sim on our kernels
     torchrun --standalone --nproc_per_node=8 train.py --grad_accum_steps 8 --use-cuda-kernel   # DDP, 8 GPUs
+    python train.py --config configs/recall --attention softmax --recall_pairs 32   # recall, about a minute on a GPU
+
+``--task recall`` trains on generated multi-query associative recall sequences (data/recall.py) instead of
+enwik8: nothing is downloaded, the loss is over the answers only, and evaluations log val/accuracy (test/accuracy
+at the end) with the loss, not bpc by position (an answer's place in the sequence is not how far back its pair
+is) nor samples.
 
 Every field of TrainConfig can be set in the config file (``name = literal`` lines) and overridden on
 the command line as ``--name value``, ``--name=value`` or ``--name-with-dashes value``; boolean flags
@@ -43,11 +49,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from data import DataError, RandomWindowSampler, data_fingerprint, load_enwik8
+from data import DataError, RandomWindowSampler, RecallSampler, RecallTask, data_fingerprint, load_enwik8
 from lab.config import CommandLine, TrainConfig, parse_command_line, resumed_config, usage_error
 from lab.files import RunDir, RunLog, checkpoint_to_resume, describe_data, save_checkpoint
-from lab.steps import (autocast_for, clip_gradients, evaluate, finite_weights, gather_from_ranks, lr_at,
-                       make_optimizer, peak_flops, peak_memory_gib, rng_states, sample_text, set_rng_states,
+from lab.steps import (autocast_for, clip_gradients, evaluate, evaluate_recall, finite_weights, gather_from_ranks,
+                       lr_at, make_optimizer, peak_flops, peak_memory_gib, rng_states, sample_text, set_rng_states,
                        setup_device)
 from model import GPT
 
@@ -83,6 +89,26 @@ def main(argv: list[str] | None = None) -> int:
         return run(cli, held)
 
 
+def load_splits(cfg: TrainConfig, rank: int, world_size: int) -> dict[str, np.ndarray]:
+    """enwik8's train/val/test splits, each checked to hold a window, or exit 2."""
+    # Rank 0 downloads and verifies enwik8 (once) while the others wait; then they read its cache.
+    if rank != 0:
+        dist.barrier()
+    try:
+        splits = load_enwik8(cfg.data_path, log=print if rank == 0 else lambda *_: None)
+    except DataError as err:
+        usage_error(str(err))
+    if rank == 0 and world_size > 1:
+        dist.barrier()
+    # Checked here, not left to the sampler and the first evaluation: a short val split would only fail
+    # after eval_interval steps of training.
+    for name, split in splits.items():
+        if len(split) <= cfg.seq_len:
+            usage_error(f"seq_len: {cfg.seq_len} needs windows of seq_len + 1 bytes, but the {name} split of the "
+                        f"data has {len(split):,}")
+    return splits
+
+
 def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
     try:
         cfg = TrainConfig(**cli.values)
@@ -116,33 +142,26 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
 
-    # Rank 0 downloads and verifies enwik8 (once) while the others wait; then they read its cache.
-    if rank != 0:
-        dist.barrier()
-    try:
-        splits = load_enwik8(cfg.data_path, log=print if rank == 0 else lambda *_: None)
-    except DataError as err:
-        usage_error(str(err))
-    if rank == 0 and world_size > 1:
-        dist.barrier()
-    # The data is part of the trajectory: a resume on other bytes (another file, or the same path changed)
-    # would not continue the run it names.
-    fingerprint = data_fingerprint(splits)
+    if cfg.task == "enwik8":
+        splits = load_splits(cfg, rank, world_size)
+        fingerprint = data_fingerprint(splits)
+        sampler = RandomWindowSampler(splits["train"], cfg.batch_size, cfg.seq_len, cfg.seed, rank, world_size)
+        prompt = bytes(splits["val"][:SAMPLE_PROMPT_BYTES])
+    else:  # generated sequences: nothing to download, and no text to continue in a sample
+        recall = RecallTask(cfg.seq_len, cfg.recall_pairs, cfg.recall_queries)
+        fingerprint = recall.fingerprint(cfg.seed)
+        sampler = RecallSampler(recall, cfg.batch_size, cfg.seed, rank, world_size)
+        prompt = None
+    # The data is part of the trajectory: a resume on other bytes (another file, the same path changed, or a
+    # recall generator that draws differently now) would not continue the run it names.
     if ckpt is not None and ckpt["data"] != fingerprint:
         usage_error(f"--resume: the data differs from the checkpoint's: the run trained on "
                     f"{describe_data(ckpt['data'], ckpt['config'].get('data_path'))}, this is "
                     f"{describe_data(fingerprint, cfg.data_path)}")
-    # Checked here, not left to the sampler and the first evaluation: a short val split would only fail
-    # after eval_interval steps of training.
-    for name, split in splits.items():
-        if len(split) <= cfg.seq_len:
-            usage_error(f"seq_len: {cfg.seq_len} needs windows of seq_len + 1 bytes, but the {name} split of the "
-                        f"data has {len(split):,}")
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     # Per rank, so that ranks draw different dropout masks; DDP gives every rank rank 0's initial weights.
     torch.manual_seed(cfg.seed + rank)
-    sampler = RandomWindowSampler(splits["train"], cfg.batch_size, cfg.seq_len, cfg.seed, rank, world_size)
     model = GPT(cfg.model_config()).to(device)
     optimizer = make_optimizer(model, cfg, device)
     start_step, run_id = 0, None
@@ -170,14 +189,14 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
         (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
         run_log = RunLog(cfg, run_dir, run_id, start_step)
         run_id = run_log.wandb.id
+        task = f", recall of {cfg.recall_queries} of {cfg.recall_pairs} pairs" if cfg.task == "recall" else ""
         print(f"{cfg.run_name}: {model.num_params() / 1e6:.2f}M params, {cfg.attention} attention"
-              f"{' (CUDA kernel)' if cfg.use_cuda_kernel else ''}, {tokens_per_step:,} tokens/step, "
+              f"{' (CUDA kernel)' if cfg.use_cuda_kernel else ''}{task}, {tokens_per_step:,} tokens/step, "
               f"{flops_per_token / 1e6:.1f} MFLOP/token, {device} {dtype}"
               f"{f' x {world_size} processes' if world_size > 1 else ''}, writing to {run_dir}"
               + (f", resuming at step {start_step}" if ckpt is not None else ""))
         if peak is None:
             print(f"perf/mfu not logged: no peak FLOP/s known for {device} {dtype}; pass --peak_tflops to set it")
-    prompt = bytes(splits["val"][:SAMPLE_PROMPT_BYTES])
     saved_step = start_step if ckpt is not None else None
 
     def checkpoint(step: int) -> None:
@@ -193,15 +212,23 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
         saved_step = step
 
     def log_eval(step: int, split: str, max_windows: int | None, with_sample: bool) -> None:
-        loss, curve = evaluate(model, splits[split], cfg, device, autocast, max_windows, rank, world_size)
+        # enwik8 is scored by bpc, overall and by position in the window; recall by its loss and accuracy over
+        # the answers, which is all it asks (its other targets are IGNORE_INDEX).
+        curve = accuracy = None
+        if cfg.task == "enwik8":
+            loss, curve = evaluate(model, splits[split], cfg, device, autocast, max_windows, rank, world_size)
+        else:
+            batches = recall.eval_batches(split, cfg.batch_size, max_windows)
+            loss, accuracy = evaluate_recall(model, batches, device, autocast, rank, world_size)
         if not math.isfinite(loss):  # summed over ranks, so every rank sees the same
             raise Diverged(f"the {split} loss is {loss} at step {step}")
         if rank == 0:
             # With sample_tokens = 0 the "sample" would be the prompt alone.
             sample = (sample_text(model, prompt, cfg.sample_tokens, device, autocast, cfg.seed + step)
-                      if with_sample and cfg.sample_tokens else None)
-            run_log.log_eval(step, split, loss, curve, sample)
+                      if with_sample and cfg.sample_tokens and prompt is not None else None)
+            run_log.log_eval(step, split, loss, curve, sample, accuracy)
             tqdm.write(f"step {step}: {split} bpc {loss / math.log(2):.4f}"
+                       + (f", accuracy {accuracy:.4f}" if accuracy is not None else "")
                        + (f"\n--- sample ---\n{sample}\n--------------" if sample else ""))
 
     step, exit_code, stopping = start_step, 0, False

@@ -34,35 +34,32 @@ def _gather(data: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.T
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
-class RandomWindowSampler:
-    """Training batches of windows drawn uniformly at random from one split.
+class SeededSampler:
+    """Training batches where batch k of rank r is drawn by a generator seeded with (seed, r, k).
 
-    Batch k of rank r is drawn by a generator seeded with (seed, r, k), so the stream is a function of the
-    batch count alone: the state is one counter, a resumed run draws bit-identical batches, ranks draw
-    independent streams, and every rank can restore from the state rank 0 saved.
+    So the stream is a function of the batch count alone: the state is one counter, a resumed run draws
+    bit-identical batches, ranks draw independent streams, and every rank can restore from the state rank 0
+    saved. A subclass says what one batch is (_draw).
     """
 
-    def __init__(self, data: np.ndarray, batch_size: int, seq_len: int, seed: int, rank: int = 0,
-                 world_size: int = 1):
-        _check_split(data, seq_len)
+    def __init__(self, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
         _check_positive("batch_size", batch_size)
         _check_positive("world_size", world_size)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed: expected a non-negative int, got {seed!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank: expected an int in [0, world_size={world_size}), got {rank!r}")
-        self.data, self.batch_size, self.seq_len = data, batch_size, seq_len
-        self.seed, self.rank = seed, rank
+        self.batch_size, self.seed, self.rank = batch_size, seed, rank
         self.batches_drawn = 0
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, y): int64 tensors of shape (batch_size, seq_len), y being x shifted left by one byte."""
+        """(x, y): int64 tensors of shape (batch_size, seq_len), the inputs and their targets."""
         seeds = np.random.SeedSequence(self.seed, spawn_key=(self.rank, self.batches_drawn))
-        rng = np.random.default_rng(seeds)
-        # The last valid start leaves room for the final target: start + seq_len < len(data).
-        starts = rng.integers(0, len(self.data) - self.seq_len, size=self.batch_size)
         self.batches_drawn += 1
-        return _gather(self.data, starts, self.seq_len)
+        return self._draw(np.random.default_rng(seeds))
+
+    def _draw(self, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
 
     def state_dict(self) -> dict:
         return {"seed": self.seed, "batches_drawn": self.batches_drawn}
@@ -72,6 +69,21 @@ class RandomWindowSampler:
             raise ValueError(f"state['seed']={state['seed']} does not match this sampler's seed={self.seed}: "
                              "resuming with another seed would not reproduce the interrupted run")
         self.batches_drawn = int(state["batches_drawn"])
+
+
+class RandomWindowSampler(SeededSampler):
+    """Training batches of windows drawn uniformly at random from one split; y is x shifted left by one byte."""
+
+    def __init__(self, data: np.ndarray, batch_size: int, seq_len: int, seed: int, rank: int = 0,
+                 world_size: int = 1):
+        _check_split(data, seq_len)
+        super().__init__(batch_size, seed, rank, world_size)
+        self.data, self.seq_len = data, seq_len
+
+    def _draw(self, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        # The last valid start leaves room for the final target: start + seq_len < len(data).
+        starts = rng.integers(0, len(self.data) - self.seq_len, size=self.batch_size)
+        return _gather(self.data, starts, self.seq_len)
 
 
 def _eval_plan(data: np.ndarray, seq_len: int, max_windows: int | None) -> tuple[np.ndarray, np.ndarray]:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from data.recall import EVAL_SEQUENCES, RecallTask
 from model import GPTConfig
 from model.gpt import option
 
@@ -24,12 +25,18 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 GPU_CONFIG, CPU_CONFIG = CONFIGS / "base.py", CONFIGS / "tiny_cpu.py"
 DTYPES = ("auto", "bfloat16", "float32")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
+TASKS = ("enwik8", "recall")
 
 
 @dataclass
 class TrainConfig(GPTConfig):
     """Everything a run depends on: the model (GPTConfig's fields) and how it is trained and logged."""
 
+    task: str = option("enwik8", "what to train on: enwik8's bytes, or generated associative recall sequences "
+                                 "(MQAR, data/recall.py) scored by accuracy on the answers", TASKS)
+    recall_pairs: int = option(16, "recall: key-value pairs at the start of each sequence")
+    recall_queries: int | None = option(None, "recall: keys asked for later in each sequence, each once; "
+                                              "None = recall_pairs")
     data_path: str | None = option(None, "a local enwik8 copy (raw, .zip or .gz); None = the verified download")
     batch_size: int = option(8, "sequences per micro-step")
     grad_accum_steps: int = option(1, "micro-steps per optimizer step, over all processes")
@@ -39,15 +46,17 @@ class TrainConfig(GPTConfig):
     warmup_iters: int = option(500, "linear warmup steps")
     lr: float = option(1e-3, "peak learning rate")
     min_lr: float = option(1e-4, "learning rate at the end of the cosine")
-    weight_decay: float = option(0.1, "AdamW decay, on matrices only (embedding and linear weights)")
+    weight_decay: float = option(0.1, "AdamW decay, on matrices only (embedding, linear and conv weights)")
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.95, "AdamW beta2")
     grad_clip: float = option(1.0, "max global grad norm; 0 = no clipping")
     seed: int = option(1337, "seeds weights, data order and dropout")
     eval_interval: int = option(500, "steps between evaluations on val")
-    eval_max_windows: int | None = option(64, "windows per periodic eval; None = the whole split")
-    final_eval_max_windows: int | None = option(None, "windows per split at the end; None = the whole split")
-    sample_tokens: int = option(256, "bytes generated at each evaluation (0 = no sample)")
+    eval_max_windows: int | None = option(64, "windows (recall: sequences) per periodic eval; None = the whole "
+                                              "split")
+    final_eval_max_windows: int | None = option(None, "windows (recall: sequences) per split at the end; None = the "
+                                                      f"whole split (recall: its {EVAL_SEQUENCES} sequences)")
+    sample_tokens: int = option(256, "bytes generated at each evaluation (0 = no sample); enwik8 only")
     ckpt_interval: int = option(1000, "steps between checkpoints (one is always saved at the end)")
     device: str = option("auto", "auto = cuda if available, else cpu; or cpu, cuda, cuda:N")
     dtype: str = option("auto", "auto = bfloat16 autocast on CUDA, float32 on CPU", DTYPES)
@@ -97,6 +106,15 @@ class TrainConfig(GPTConfig):
         if self.run_name is not None and not re.fullmatch(r"[\w.+-]+", self.run_name):
             raise ValueError(f"run_name: expected letters, digits and . _ + - (it names a directory), "
                              f"got {self.run_name!r}")
+        if self.task == "recall":
+            if self.data_path is not None:
+                raise ValueError(f"data_path: task 'recall' generates its sequences and reads no file; expected "
+                                 f"None, got {self.data_path!r}")
+            try:
+                recall = RecallTask(self.seq_len, self.recall_pairs, self.recall_queries)
+            except ValueError as err:  # RecallTask's pairs and queries are our recall_pairs and recall_queries
+                raise ValueError(f"recall_{err}") from None
+            self.recall_queries = recall.queries
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GPTConfig)})
@@ -220,8 +238,9 @@ def default_config(device: str) -> tuple[Path, str | None]:
 def build_parser(defaults: dict, config_label: str) -> argparse.ArgumentParser:
     """The full command line; --help shows each field's meaning, choices and the value it gets without the flag
     (defaults: the config file's values, which win over the dataclass's)."""
-    parser = argparse.ArgumentParser(prog="train.py", description="Train the byte-level GPT on enwik8. Every field "
-                                     "of TrainConfig is an option; the config file sets it unless given here.",
+    parser = argparse.ArgumentParser(prog="train.py", description="Train the byte-level GPT on enwik8 (or the "
+                                     "recall probe, --task recall). Every field of TrainConfig is an option; the "
+                                     "config file sets it unless given here.",
                                      usage="train.py [--config NAME] [--resume PATH|auto] [--FIELD VALUE ...]",
                                      allow_abbrev=False)
     parser.add_argument("--config", help="config file, .py optional (default configs/base on a GPU, "

@@ -156,11 +156,18 @@ class RunLog:
         self.jsonl.flush()
         self.wandb.log({**metrics, **(wandb_extra or {})}, step=step)
 
-    def log_eval(self, step: int, split: str, loss: float, curve, sample: str | None = None) -> None:
-        metrics = {f"{split}/loss": loss, f"{split}/bpc": loss / math.log(2), f"{split}/bpc_by_position": curve}
-        table = wandb.Table(columns=["position", "bpc"], data=[list(point) for point in curve])
-        extra = {f"{split}/bpc_by_position": wandb.plot.line(table, "position", "bpc",
-                                                            title=f"{split} bpc by position, step {step}")}
+    def log_eval(self, step: int, split: str, loss: float, curve=None, sample: str | None = None,
+                 accuracy: float | None = None) -> None:
+        """An evaluation's row: loss and bpc (over the scored bytes: recall's answers), and what was measured of
+        them besides: the bpc-by-position curve, a sample, the accuracy."""
+        metrics, extra = {f"{split}/loss": loss, f"{split}/bpc": loss / math.log(2)}, {}
+        if curve is not None:
+            metrics[f"{split}/bpc_by_position"] = curve
+            table = wandb.Table(columns=["position", "bpc"], data=[list(point) for point in curve])
+            extra[f"{split}/bpc_by_position"] = wandb.plot.line(table, "position", "bpc",
+                                                                title=f"{split} bpc by position, step {step}")
+        if accuracy is not None:
+            metrics[f"{split}/accuracy"] = accuracy
         if sample is not None:
             metrics[f"{split}/sample"] = sample
             extra[f"{split}/sample"] = wandb.Html(f"<pre>{html.escape(sample)}</pre>")
@@ -191,6 +198,11 @@ def checkpoint_to_resume(resume: str | None, ckpt_path: Path, world_size: int) -
 
 
 def describe_data(fingerprint: dict, path: str | None) -> str:
+    """A data fingerprint in words: enwik8's (data_fingerprint) or recall's (RecallTask.fingerprint)."""
+    if fingerprint.get("task") == "recall":
+        return (f"recall sequences (seq_len {fingerprint['seq_len']}, {fingerprint['pairs']} pairs, "
+                f"{fingerprint['queries']} queries, seed {fingerprint['seed']}), "
+                f"sha256 {fingerprint['sha256'][:16]}...")
     return (f"{path or 'enwik8 (verified download)'}: {fingerprint['bytes']:,} bytes, "
             f"sha256 {fingerprint['sha256'][:16]}...")
 

@@ -1,5 +1,6 @@
 """The pieces of a training step and of an evaluation: device and precision, optimizer and schedule,
-RNG state, evaluation by position, sampling, and the measures logged (peak memory, peak FLOP/s)."""
+RNG state, evaluation by position (enwik8) or over the answers (recall), sampling, and the measures logged
+(peak memory, peak FLOP/s)."""
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from attention_cuda import cuda_unavailable_reason
-from data import eval_windows
+from data import eval_windows, score
 from lab.config import TrainConfig, usage_error
 from model import GPT
 from model.attention import attention_fn
@@ -123,6 +124,27 @@ def evaluate(model: GPT, split: np.ndarray, cfg: TrainConfig, device, autocast, 
         dist.all_reduce(count)
     loss_sum, count = loss_sum.cpu(), count.cpu()
     return (loss_sum.sum() / count.sum()).item(), bpc_by_position(loss_sum, count)
+
+
+@torch.no_grad()
+def evaluate_recall(model: GPT, batches, device, autocast, rank: int = 0, world_size: int = 1) -> tuple[float, float]:
+    """(mean loss in nats, accuracy) over the answers of recall (x, y) batches (RecallTask.eval_batches).
+
+    Under DDP (a collective) rank r scores batches r, r + world_size, ... and the sums are added over ranks,
+    as in evaluate.
+    """
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct answers, answers
+    for x, y in itertools.islice(batches, rank, None, world_size):
+        x, y = x.to(device), y.to(device)
+        with autocast:
+            logits, loss = model(x, y, reduction="none")  # 0 at the ignored targets
+        totals += torch.stack([loss.double().sum(), *score(logits, y)])
+    model.train()
+    if world_size > 1:
+        dist.all_reduce(totals)
+    loss_sum, correct, answers = totals.tolist()
+    return loss_sum / answers, correct / answers
 
 
 @torch.no_grad()
