@@ -35,7 +35,7 @@ test-gpu:  ## only the GPU-marked tests (needs a CUDA GPU)
 bench:  ## kernels vs baselines on the seeds' shapes (needs a CUDA GPU)
 	$(PYTHON) benchmark.py --preset seeds --json bench/results_seeds.json $(ARGS)
 
-compare:  ## softmax vs cosine vs fastmax at several context lengths on one token budget -> bench/compare/ (DATA=path for a local copy)
+compare:  ## the study: attentions x contexts x seeds on every GPU, lr sweep, recall probe -> bench/study/ (DATA=path for a local copy)
 	$(PYTHON) compare.py $(DATA_FLAG) $(ARGS)
 
 context-limit:  ## longest context one training step fits per attention (batch 1, configs/base) -> bench/context_limit.*

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.util
 import json
 import os
 import re
@@ -344,9 +345,17 @@ def fastmax_seeds(src: Sources, link: Link) -> list[str]:
 
 
 THROUGHPUT, THROUGHPUT_8192 = "bench/throughput.json", "bench/runs/2026-11-22_s13_throughput-8192.json"
-VARIANT_NAMES = {"softmax": "softmax (SDPA)", "cosine-sdpa": "cosine as SDPA-cuDNN on normalised q/k",
-                 "cosine-kernel": "cosine, our kernels", "fastmax-kernel": "fastmax, our kernels",
-                 "cosine": "cosine, PyTorch reference"}
+def _variant_labels() -> dict[str, str]:
+    """model/variants.py's labels, the file loaded by path: the model package imports torch, which these
+    tables do not need."""
+    spec = importlib.util.spec_from_file_location("_variants", ROOT / "model" / "variants.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks itself up there
+    spec.loader.exec_module(module)
+    return {name: v.label for name, v in module.VARIANTS.items()}
+
+
+VARIANT_NAMES = _variant_labels()
 
 
 def _throughput_file(src: Sources, rel: str) -> tuple[dict, list[int], list[str]]:
@@ -445,20 +454,49 @@ def compare(src: Sources, link: Link) -> list[str]:
             _compare_source(data, link)]
 
 
+STUDY = "bench/study/results.json"
+
+
 def study(src: Sources, link: Link) -> list[str]:
-    """The compare runs pivoted: one row per attention, one column per context length."""
-    data, runs = _compare_runs(src)
-    lengths = sorted({r["seq_len"] for r in runs})
-    names = list(dict.fromkeys((r["attention"], r["kernel"]) for r in runs))
-    by = {((r["attention"], r["kernel"]), r["seq_len"]): r for r in runs}
-    rows = [[ATTENTION_NAMES.get(a, a[0]), *(f(by[a, n]["final_val_bpc"], 2) for n in lengths),
-             *(kilo(by[a, n]["tokens_per_s"]) for n in lengths)] for a in names]
-    return [*table(["attention", *(f"val bpc, {thousands(n)}" for n in lengths),
-                    *(f"tokens/s, {thousands(n)}" for n in lengths)], rows, right=set(range(1, 1 + 2 * len(lengths)))),
+    """The study's grid: per attention, final val bpc (mean ± std over seeds) and tokens/s per context."""
+    data = src.json(STUDY)
+    try:
+        p = data["protocol"]
+        grid = [r for r in data["runs"] if r["phase"] == "grid" and r["status"] == "ok"]
+        cells = {(v, n): [r for r in grid if (r["variant"], r["seq_len"]) == (v, n)]
+                 for v in p["variants"] for n in p["seq_lens"]}
+        missing = [f"{v} at {n}" for (v, n), runs in cells.items() if len(runs) != len(p["seeds"])]
+        if missing:
+            raise TableError(f"{STUDY}: the grid lacks seeds for {', '.join(missing)}")
+        rows = []
+        for v in p["variants"]:
+            bpc = [[r["val_bpc"] for r in cells[v, n]] for n in p["seq_lens"]]
+            speed = [sorted(r["tokens_per_s"] for r in cells[v, n])[len(p["seeds"]) // 2] for n in p["seq_lens"]]
+            rows.append([VARIANT_NAMES.get(v, v), *(_mean_std(b) for b in bpc), *(kilo(x) for x in speed)])
+        shortest = min(p["seq_lens"])
+        best = min(sum(r["val_bpc"] for r in cells[v, shortest]) / len(p["seeds"]) for v in p["variants"])
+        lengths = [thousands(n) for n in p["seq_lens"]]
+        caption = (f"The study (`make compare`), with its plots, learning-rate sweep, test bpc, train-val gap, "
+                   f"extrapolation and recall probe in {link('bench/study/report.md')}: final val bpc, mean ± std "
+                   f"over seeds {', '.join(map(str, p['seeds']))}, and training tokens/s (median run) per context. "
+                   f"Every run {p['steps']} steps of {thousands(p['tokens_per_step'])} tokens at its attention's "
+                   f"swept rate, {p['config']}, on {'the verified enwik8' if p['data_path'] is None else 'the 4 MB enwik8 prefix'}. "
+                   + f"The best val bpc at {thousands(shortest)} is {best:.2f}, where models of this size reach "
+                     f"about 1.1-1.3 trained to convergence: this compares early training, in which the longer "
+                     f"contexts, seeing fewer windows a step, are behind. "
+                   + f"Source: {link(STUDY)}, `{data['command']}` ({data['hardware']}).")
+    except (KeyError, TypeError, ZeroDivisionError) as e:
+        raise TableError(f"{STUDY}: not a compare.py study file ({e!r})") from e
+    return [*table(["attention", *(f"val bpc, {n}" for n in lengths), *(f"tokens/s, {n}" for n in lengths)], rows,
+                   right=set(range(1, 1 + 2 * len(lengths)))),
             "",
-            _compare_source(data, link, "The study (`make compare`): final val bpc (whole val split) and training "
-                                        "tokens/s per context length, after a short budget: this orders the "
-                                        "attentions at equal cost, not at convergence. ")]
+            caption]
+
+
+def _mean_std(values: list[float]) -> str:
+    mean = sum(values) / len(values)
+    std = (sum((x - mean) ** 2 for x in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+    return f"{mean:.2f} ± {std:.2f}"
 
 
 TABLES: dict[str, Callable[[Sources, Link], list[str]]] = {

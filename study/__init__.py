@@ -1,0 +1,1 @@
+"""The long-context study: its runs (jobs), their queue (runner) and the report."""

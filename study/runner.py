@@ -1,0 +1,156 @@
+"""Running the study's jobs: one train.py per GPU at a time from a shared queue (in turn on a CPU), resumable.
+
+Each job is ``python train.py ...`` in a subprocess of its own, pinned to one GPU by CUDA_VISIBLE_DEVICES,
+with ``--resume auto``: a job a killed study left half done continues from its checkpoint. A job ends in
+its run folder's result.json: status "ok" with the summary of its metrics (and its evaluation at twice
+the context, for grid runs), or the reason it failed. A job whose result.json says ok is not run again; a
+failed or stopped one is. Past the deadline, running jobs get SIGTERM (train.py saves and exits) and no new
+ones start: a later call goes on from there.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from lab.files import write_atomically
+from study.jobs import Job
+
+ROOT = Path(__file__).resolve().parents[1]
+STOP_GRACE_S = 60  # after SIGTERM, how long a run may take to save its checkpoint before it is killed
+
+
+def result_path(run_dir: Path) -> Path:
+    return run_dir / "result.json"
+
+
+def read_result(run_dir: Path) -> dict | None:
+    path = result_path(run_dir)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def summarize(run_dir: Path) -> dict:
+    """The numbers the report needs from a finished run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/loss" in r]
+    evals = [r for r in rows if "val/loss" in r]
+    tests = [r for r in rows if "test/loss" in r]
+    speeds = [r["perf/tokens_per_s"] for r in steps[1:] or steps]  # step 1 carries the warm-up
+    tail = steps[-max(1, len(steps) // 20):]  # the last 5% of steps: the training loss where the run ended
+    summary = {"steps": steps[-1]["step"], "train_s": sum(r["perf/step_ms"] for r in steps) / 1000,
+               "tokens_per_s": statistics.median(speeds), "peak_mem_gib": max(r["perf/peak_mem_gib"] for r in steps),
+               "train_bpc": statistics.fmean(r["train/bpc"] for r in tail),
+               "val_curve": [[e["step"], e.get("val/bpc"), e.get("val/accuracy")] for e in evals]}
+    final, test = evals[-1], tests[-1]
+    for split, row in (("val", final), ("test", test)):
+        for key in ("bpc", "bpc_by_position", "accuracy"):
+            if f"{split}/{key}" in row:
+                summary[f"{split}_{key}"] = row[f"{split}/{key}"]
+    return summary
+
+
+class StudyError(Exception):
+    """A study that cannot go on as asked; the message says why and what to do."""
+
+
+class Runner:
+    """Runs jobs on workers (one per device) until the queue is empty or the deadline passes."""
+
+    def __init__(self, runs_dir: Path, devices: list[str | None], deadline: float, log=print):
+        self.runs_dir, self.devices, self.deadline, self.log = runs_dir, devices, deadline, log
+        self.lock = threading.Lock()
+
+    def run_dir(self, job: Job) -> Path:
+        return self.runs_dir / job.name
+
+    def pending(self, jobs: list[Job]) -> list[Job]:
+        """The jobs without an ok result."""
+        return [j for j in jobs if (read_result(self.run_dir(j)) or {}).get("status") != "ok"]
+
+    def check_foreign(self, jobs: list[Job]) -> None:
+        """Raise StudyError when a job's folder holds a run of another command (another protocol under the
+        same study name): resuming it, or taking its result, would mix two protocols in one report."""
+        foreign = [j.name for j in jobs
+                   if (r := read_result(self.run_dir(j))) is not None and r["command"] != ["python", "train.py", *j.argv]]
+        if foreign:
+            raise StudyError(f"{self.runs_dir} holds runs made with other settings ({', '.join(foreign[:3])}"
+                             f"{' ...' if len(foreign) > 3 else ''}): give this study another --name, or remove them")
+
+    def run(self, jobs: list[Job]) -> bool:
+        """Run the pending jobs; True when every job of the list has an ok result."""
+        self.check_foreign(jobs)
+        todo = queue.Queue()
+        for job in self.pending(jobs):
+            todo.put(job)
+        workers = [threading.Thread(target=self._work, args=(todo, device), daemon=True) for device in self.devices]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        return not self.pending(jobs)
+
+    def _work(self, todo: queue.Queue, device: str | None) -> None:
+        while time.monotonic() < self.deadline:
+            try:
+                job = todo.get_nowait()
+            except queue.Empty:
+                return
+            result = self._execute(job, device)
+            write_atomically(result_path(self.run_dir(job)), lambda f: f.write((json.dumps(result) + "\n").encode()))
+            with self.lock:
+                self.log(f"{job.name}: {result['status']}" + (f" (GPU {device})" if device is not None else ""))
+
+    def _subprocess(self, command: list[str], log_path: Path, device: str | None) -> tuple[int, bool]:
+        """(exit code, whether the deadline stopped it)."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if device is not None:
+            env["CUDA_VISIBLE_DEVICES"] = device
+        with open(log_path, "a") as log:
+            log.write("$ " + shlex.join(command) + "\n")
+            log.flush()
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+            try:
+                return proc.wait(timeout=max(0.0, self.deadline - time.monotonic())), False
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                return proc.returncode, True
+
+    def _execute(self, job: Job, device: str | None) -> dict:
+        run_dir = self.run_dir(job)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        log_path = run_dir / "study.log"
+        t0 = time.monotonic()
+        record = {"name": job.name, "phase": job.phase, "variant": job.variant, "seq_len": job.seq_len,
+                  "seed": job.seed, "lr": job.lr, "pairs": job.pairs, "command": ["python", "train.py", *job.argv]}
+        code, stopped = self._subprocess([sys.executable, str(ROOT / "train.py"), *job.argv], log_path, device)
+        if code == 0 and job.extrapolate:
+            eval_path = run_dir / "eval_2x.json"
+            command = [sys.executable, str(ROOT / "scripts" / "evaluate.py"), "--ckpt", str(run_dir / "ckpt.pt"),
+                       "--seq-len", str(2 * job.seq_len), "--out", str(eval_path), "--device", "auto"]
+            code, stopped = self._subprocess(command, log_path, device)
+            record["eval_command"] = ["python", "scripts/evaluate.py", *command[2:]]
+        record["wall_s"] = time.monotonic() - t0
+        if stopped:
+            return {**record, "status": "stopped at the deadline (resumable)"}
+        if code != 0:
+            text = log_path.read_text(errors="replace")
+            lines = [ln for ln in text.splitlines() if ln.strip() and "it/s" not in ln]
+            reason = "out of memory" if "OutOfMemoryError" in text else (lines[-1] if lines else "no output")
+            return {**record, "status": f"failed (exit {code}): {reason[:300]}"}
+        summary = summarize(run_dir)
+        if job.extrapolate:
+            summary["extrapolation"] = json.loads((run_dir / "eval_2x.json").read_text())
+        return {**record, "status": "ok", **summary}

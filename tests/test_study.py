@@ -1,0 +1,186 @@
+"""The long-context study on CPU: the plan (compare.py --dry-run), the queue and its resume, failures, the
+report from made-up results, the CPU refusal and bad arguments, and a whole tiny study end to end."""
+import json
+import math
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+import compare
+from lab.config import parse_args
+from study.jobs import Protocol, after_sweep, grid_jobs, sweep_jobs
+from study.report import Report, chosen_lrs
+from study.runner import Runner, StudyError, read_result
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TINY_MODEL = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--final_eval_max_windows", "8"]
+
+
+def tiny_study(tmp_path: Path, data_path: str, *more: str) -> list[str]:
+    return ["--device", "cpu", "--config", "configs/tiny_cpu", "--variants", "softmax,cosine", "--seq-lens", "32,64",
+            "--seeds", "1,2", "--steps", "8", "--sweep-steps", "4", "--tokens-per-step", "256", "--lrs", "2e-3,4e-3",
+            "--evals", "2", "--eval-tokens", "512", "--recall-seq-lens", "", "--data-path", data_path,
+            "--wandb-mode", "disabled", "--runs-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "report"),
+            *more, "--", *TINY_MODEL]
+
+
+def protocol(**overrides) -> Protocol:
+    fields = dict(config="configs/tiny_cpu", variants=("softmax", "cosine"), seq_lens=(32, 64), seeds=(1, 2, 3),
+                  steps=10, tokens_per_step=256, lrs=(1e-3, 2e-3), sweep_steps=5, evals=2, eval_tokens=512,
+                  recall_seq_lens=(), recall_pairs=(4,), recall_steps=10, recall_config="configs/recall",
+                  data_path=None, device="cpu", wandb_mode="disabled", wandb_group="g", extra=tuple(TINY_MODEL))
+    return Protocol(**{**fields, **overrides})
+
+
+def test_dry_run_gives_every_run_the_same_budget_and_schedule(capsys):
+    assert compare.main(["--dry-run", "--seq-lens", "1024,4096,16384", "--seeds", "1,2,3", "--recall-seq-lens", ""]) == 0
+    out = capsys.readouterr().out.splitlines()
+    configs = [parse_args(shlex.split(line)[2:])[0] for line in out if line.startswith("python train.py ")]
+    sweep = [c for c in configs if c.run_name.startswith("sweep_")]
+    grid = [c for c in configs if c.run_name.startswith("grid_")]
+    assert len(sweep) == 4 * 3 and len(grid) == 4 * 3 * 3
+    assert {(c.batch_size * c.seq_len, c.max_iters, c.warmup_iters, c.lr_decay_iters) for c in grid} == {
+        (16384, 1000, 100, 1000)}
+    assert {c.seq_len for c in sweep} == {1024} and sorted({c.seed for c in grid}) == [1, 2, 3]
+    assert {(c.attention, c.use_cuda_kernel, c.cosine_sdpa) for c in grid} == {
+        ("softmax", False, False), ("cosine", False, True), ("cosine", True, False), ("fastmax", True, False)}
+    assert all(c.min_lr == c.lr / 10 and c.sample_tokens == 0 for c in configs)
+    assert "the sweep chooses" in out[0]
+
+
+def test_a_stopped_study_has_every_cell_once_before_any_twice():
+    p = protocol(seq_lens=(32, 64), seeds=(1, 2), recall_seq_lens=(64,))
+    jobs = after_sweep(p, "runs", {"softmax": 2e-3, "cosine": 1e-3})
+    assert [(j.phase, j.seed, j.seq_len, j.variant) for j in jobs] == [
+        ("grid", 1, 64, "softmax"), ("grid", 1, 64, "cosine"), ("grid", 1, 32, "softmax"), ("grid", 1, 32, "cosine"),
+        ("recall", 1, 64, "softmax"), ("recall", 1, 64, "cosine"),
+        ("grid", 2, 64, "softmax"), ("grid", 2, 64, "cosine"), ("grid", 2, 32, "softmax"), ("grid", 2, 32, "cosine"),
+        ("recall", 2, 64, "softmax"), ("recall", 2, 64, "cosine")]
+    assert len({j.name for j in jobs}) == len(jobs)
+
+
+def test_a_cpu_only_machine_is_told_what_to_do(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        compare.main([])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "trains its runs on CUDA GPUs" in err and "--device cpu" in err
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--variants", "softmax,flash4"], "--variants: expected a comma list"),
+    (["--seq-lens", "64,x"], "--seq-lens: invalid comma-separated positive int value"),
+    (["--lrs", "1e-3,-1"], "--lrs: invalid comma-separated positive float value"),
+    (["--seq-lens", "32768", "--tokens-per-step", "16384"], "--seq-lens: each at most --tokens-per-step=16384"),
+    (["--steps", "0"], "--steps: expected > 0"),
+    (["--", "--lr", "1"], "--lr after --: compare.py sets it for every run"),
+])
+def test_bad_arguments_are_usage_errors(capsys, args, expected):
+    with pytest.raises(SystemExit) as exc:
+        compare.main(["--dry-run", *args])
+    assert exc.value.code == 2 and expected in capsys.readouterr().err
+
+
+def test_the_queue_resumes_a_killed_run_skips_done_ones_and_retries_failures(tmp_path, data_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    p = protocol(seq_lens=(32,), seeds=(1,), variants=("softmax",), data_path=data_path)
+    runs = tmp_path / "runs"
+    (job,) = grid_jobs(p, str(runs), {"softmax": 2e-3})
+    # A run that a killed study left at step 4 of 10: its checkpoint, and no result.
+    import train
+    assert train.main([*job.argv, "--max_iters", "4"]) == 0
+    runner = Runner(runs, [None], deadline=math.inf, log=lambda *_: None)
+    assert runner.pending([job]) == [job]
+    assert runner.run([job])
+    result = read_result(runs / job.name)
+    assert result["status"] == "ok" and result["steps"] == 10
+    rows = [json.loads(line) for line in (runs / job.name / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, 11))  # steps 1-4, then resumed 5-10
+    assert result["extrapolation"]["seq_len"] == 64 and math.isfinite(result["extrapolation"]["bpc"])
+    # Done: not run again. Failed: run again, and the reason is kept until then.
+    assert runner.pending([job]) == []
+    broken = grid_jobs(protocol(seq_lens=(32,), seeds=(1,), variants=("softmax",), data_path="/nonexistent"),
+                       str(runs), {"softmax": 1e-3})[0]
+    assert not runner.run([broken])
+    assert "failed (exit 2)" in read_result(runs / broken.name)["status"]
+    assert "/nonexistent" in read_result(runs / broken.name)["status"]
+    assert runner.pending([broken]) == [broken]
+    # The same run under another protocol (here more steps) is refused, not resumed or taken as done.
+    (longer,) = grid_jobs(protocol(seq_lens=(32,), seeds=(1,), variants=("softmax",), steps=20, data_path=data_path),
+                          str(runs), {"softmax": 2e-3})
+    with pytest.raises(StudyError, match="other settings .*grid_softmax_T32"):
+        runner.run([longer])
+
+
+def test_past_the_deadline_no_run_starts_and_the_report_says_what_is_missing(tmp_path, data_path):
+    assert compare.main(tiny_study(tmp_path, data_path, "--time-limit", "1e-9")) == 1
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "**Incomplete:** 4 of 4 runs have no result yet" in md  # the sweep's: the grid waits for it
+
+
+def fake_result(phase, variant, seq_len, seed, lr, val, **more):
+    curve = [[2**i, val + 1.0 / (i + 1)] for i in range(int(math.log2(seq_len)) + 1)]
+    return {"name": f"{phase}_{variant}_T{seq_len}_lr{lr:g}_s{seed}", "phase": phase, "variant": variant,
+            "seq_len": seq_len, "seed": seed, "lr": lr, "pairs": None, "status": "ok", "command": ["python", "train.py"],
+            "val_bpc": val, "test_bpc": val + 0.01, "train_bpc": val - 0.05, "tokens_per_s": 1000.0 * seq_len,
+            "peak_mem_gib": seq_len / 64, "val_bpc_by_position": curve,
+            "extrapolation": {"bpc": val * (1.5 if variant == "softmax" else 1.0),
+                              "bpc_by_position": [[2 * pos, bpc] for pos, bpc in curve]}, **more}
+
+
+def test_the_report_from_results_says_what_they_support(tmp_path):
+    p = protocol(seq_lens=(32, 1024), recall_seq_lens=(64,))
+    results = [fake_result("sweep", v, 32, 1, lr, 1.9 - lr * (100 if v == "softmax" else -100))
+               for v in p.variants for lr in p.lrs]
+    # softmax: a clear gain from the longer context; cosine: a difference within the seeds' spread.
+    for seed, noise in zip(p.seeds, (-0.05, 0.0, 0.05)):
+        results += [fake_result("grid", "softmax", 32, seed, 2e-3, 1.80 + noise / 10),
+                     fake_result("grid", "softmax", 1024, seed, 2e-3, 1.60 + noise / 10),
+                     fake_result("grid", "cosine", 32, seed, 1e-3, 1.80 + noise),
+                     fake_result("grid", "cosine", 1024, seed, 1e-3, 1.79 - noise)]
+    results.append({**fake_result("grid", "cosine", 1024, 4, 1e-3, 0.0), "status": "failed (exit 1): out of memory"})
+    # recall: softmax learns it with every seed, cosine with one of three.
+    results += [{**fake_result("recall", v, 64, seed, 2e-3, 0.5), "pairs": 4, "test_accuracy": acc,
+                 "name": f"recall_{v}_T64_P4_s{seed}"}
+                for v, accs in (("softmax", (1.0, 0.98, 0.99)), ("cosine", (0.95, 0.01, 0.02)))
+                for seed, acc in zip(p.seeds, accs)]
+    assert chosen_lrs(results, p.variants, p.lrs) == {"softmax": 2e-3, "cosine": 1e-3}
+    jobs = sweep_jobs(p, "runs") + grid_jobs(p, "runs", {"softmax": 2e-3, "cosine": 1e-3})
+    out = tmp_path / "report"
+    Report(p, results, jobs, "CPU", "python compare.py", 123456).write(out)
+    md = (out / "report.md").read_text()
+    assert "**softmax (SDPA)**: a longer context helps: val bpc falls by 0.200 from 32 to 1,024 bytes" in md
+    assert "**cosine (PyTorch reference)**: the data does not show that a longer context helps" in md
+    assert "it breaks (bpc x1.50)" in md and "it holds (bpc x1.00)" in md
+    assert "| softmax (SDPA) | 1,024 | 3 | 1.600 ± 0.005 | 1.610 ± 0.005 | 1.550 ± 0.005 | 0.050 ± 0.000 |" in md
+    assert "| softmax (SDPA) | 0.002 | 0.002 | 0.002 |" not in md and "| 1.800 | 1.700 | 0.002 |" in md
+    assert "`grid_cosine_T1024_lr0.001_s4`: failed (exit 1): out of memory" in md
+    assert "| softmax (SDPA) | 0.990 ± 0.010, 3/3 learned |" in md
+    assert "| cosine (PyTorch reference) | 0.327 ± 0.540, 1/3 learned |" in md
+    assert (out / "recall.png").read_bytes().startswith(PNG_MAGIC)
+    assert "Quality floor not met" not in md and "**Incomplete:**" not in md
+    for name in ("val_bpc_by_context", "bpc_by_position", "extrapolation", "throughput_memory"):
+        assert (out / f"{name}.png").read_bytes()[:8] == PNG_MAGIC
+        assert f"]({name}.png)" in md
+    saved = json.loads((out / "results.json").read_text())
+    assert len(saved["runs"]) == len(results) and saved["protocol"]["seeds"] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_a_tiny_study_runs_end_to_end_and_a_second_call_redoes_nothing(tmp_path, data_path):
+    args = tiny_study(tmp_path, data_path)
+    assert compare.main(args) == 0
+    results = json.loads((tmp_path / "report" / "results.json").read_text())["runs"]
+    assert sorted(r["phase"] for r in results) == ["grid"] * 8 + ["sweep"] * 4
+    assert all(r["status"] == "ok" and math.isfinite(r["val_bpc"]) for r in results)
+    grid = [r for r in results if r["phase"] == "grid"]
+    assert all(r["extrapolation"]["seq_len"] == 2 * r["seq_len"] for r in grid)
+    assert {r["lr"] for r in grid} <= {2e-3, 4e-3}
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "## What the data says" in md and "Quality floor not met" in md  # 8 steps learn nothing
+    mtimes = {p: p.stat().st_mtime for p in (tmp_path / "runs").glob("*/*/metrics.jsonl")}
+    assert compare.main(args) == 0
+    assert {p: p.stat().st_mtime for p in mtimes} == mtimes
