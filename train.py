@@ -33,6 +33,7 @@ checkpoint, which every rank reads on resume (with the same WORLD_SIZE).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -307,6 +308,12 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
         if run_log is not None:
             run_log.close(exit_code)
     if world_size > 1:
+        # DDP's reducer goes first, while the process group is still registered. Were the reducer the group's
+        # last owner, the group's destructor would join gloo's worker threads with the GIL held, while a worker
+        # freeing a finished collective's Python tensors waits for the GIL: a deadlock at exit, now and then
+        # (pytorch/pytorch#56297). The registry's own reference is released without the GIL.
+        ddp = train_model = None
+        gc.collect()
         # torchrun ends the job when a rank exits with a nonzero code (130 after a signal): no rank leaves
         # before rank 0 has written its checkpoint and closed its log.
         dist.barrier()
