@@ -49,13 +49,13 @@ def save_checkpoint(state: dict, path: Path) -> None:
 CHECKPOINT_KEYS = {"model", "optimizer", "step", "config", "rng", "sampler", "world_size", "wandb_run_id", "data"}
 
 
-def load_checkpoint(path: str | Path) -> dict:
-    """The checkpoint at path, or a usage error naming the file and what is wrong with it.
+def load_checkpoint(path: str | Path, arg: str = "--resume") -> dict:
+    """The checkpoint at path, or a usage error naming the argument (arg), the file and what is wrong with it.
 
     torch.save writes a zip archive with a CRC-32 per member, which torch.load does not check: read every
     member once through zipfile first, so a flipped byte is caught rather than trained on.
     """
-    what = f"--resume: {path}"
+    what = f"{arg}: {path}"
     try:
         with zipfile.ZipFile(path) as archive:
             corrupt = archive.testzip()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -219,24 +220,56 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction)
         return logits, loss.view_as(targets) if reduction == "none" else loss
 
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Append max_new_tokens sampled bytes to idx (B, T), each conditioned on at most seq_len bytes.
+    def stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+               top_p: float | None = None, generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
+        """Yield max_new_tokens sampled bytes after idx (B, T), one (B, 1) tensor at a time, each conditioned on
+        at most the last seq_len bytes.
 
         Call model.eval() first so dropout is off. ``generator`` keeps sampling off the global RNG, so
-        drawing a sample mid-training does not change the run.
+        drawing a sample mid-training does not change the run. Each byte runs the model over the whole window.
         """
-        if not temperature > 0:
-            raise ValueError(f"temperature: expected > 0, got {temperature}")
-        if top_k is not None and not 1 <= top_k <= VOCAB_SIZE:
-            raise ValueError(f"top_k: expected None or an int in [1, {VOCAB_SIZE}], got {top_k}")
-        for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.cfg.seq_len:])
-            logits = logits[:, -1].float() / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, top_k).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            next_byte = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-            idx = torch.cat([idx, next_byte], dim=1)
-        return idx
+        check_sampling(temperature, top_k, top_p)  # here, not at the first byte: the generator below is lazy
+        if idx.ndim != 2 or idx.shape[1] == 0:
+            raise ValueError(f"idx: expected (batch, at least one byte), got shape {tuple(idx.shape)}")
+
+        def draw(idx):
+            for _ in range(max_new_tokens):
+                with torch.no_grad():
+                    logits, _ = self(idx[:, -self.cfg.seq_len:])
+                next_byte = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
+                idx = torch.cat([idx, next_byte], dim=1)
+                yield next_byte
+        return draw(idx)
+
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """idx (B, T) with max_new_tokens sampled bytes appended (stream's, all at once)."""
+        new = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, generator))
+        return torch.cat([idx, *new], dim=1)
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if not (isinstance(temperature, (int, float)) and temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature: expected a finite number > 0, got {temperature}")
+    if top_k is not None and not (isinstance(top_k, int) and 1 <= top_k <= VOCAB_SIZE):
+        raise ValueError(f"top_k: expected None or an int in [1, {VOCAB_SIZE}], got {top_k}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p: expected None or a number in (0, 1], got {top_p}")
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """One byte per row of logits (B, 256), (B, 1): drawn at temperature from the top_k most likely bytes
+    and, within those, from the smallest set whose probability reaches top_p (nucleus sampling; the most
+    likely byte always stays)."""
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, top_k).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    if top_p is not None:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # the mass of the more likely bytes
+        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator)

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.seq_len < 1 or (args.max_windows is not None and args.max_windows < 1):
         parser.error("--seq-len and --max-windows: expected positive ints")
 
-    ckpt = load_checkpoint(args.ckpt)
+    ckpt = load_checkpoint(args.ckpt, "--ckpt")
     try:
         cfg = TrainConfig(**{**ckpt["config"], "seq_len": args.seq_len, "device": args.device})
     except ValueError as err:

@@ -17,7 +17,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def data_path(tmp_path_factory) -> str:
     if ENWIK8_4MB.is_file():
         return str(ENWIK8_4MB)
