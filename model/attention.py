@@ -20,10 +20,11 @@ from attention_cuda import cosine_sim_attention, fastmax_attention, plan
 from attention_cuda.plan import fastmax_features
 
 
-def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotation angles, (seq_len, head_dim / 2) in fp32."""
+def rope_tables(seq_len: int, head_dim: int, base: float, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles of positions start .. start + seq_len - 1, (seq_len, head_dim / 2)
+    in fp32."""
     inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.outer(torch.arange(start, start + seq_len, dtype=torch.float64), inv_freq)
     return angles.cos().float(), angles.sin().float()
 
 
@@ -49,23 +50,29 @@ def score_options(cfg) -> dict:
                 temperature=cfg.fastmax_temperature, normalize=cfg.fastmax_normalize, lim=cfg.fastmax_lim)
 
 
-def sdpa_attention(q, k, v, *, backend: str, scale: float | None = None, normalize: bool = False):
-    """Causal SDPA on one backend ("auto": PyTorch's pick); with normalize, on l2-normalised q and k, which
-    is cosine-sim attention (softmax(scale l2norm(q) l2norm(k)^T) v) on PyTorch's kernels."""
+def sdpa_attention(q, k, v, *, backend: str, causal: bool = True, scale: float | None = None,
+                   normalize: bool = False):
+    """SDPA on one backend ("auto": PyTorch's pick); with normalize, on l2-normalised q and k, which is
+    cosine-sim attention (softmax(scale l2norm(q) l2norm(k)^T) v) on PyTorch's kernels."""
     if normalize:
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     with contextlib.nullcontext() if backend == "auto" else sdpa_kernel(getattr(SDPBackend, SDPA_NAMES[backend])):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
 
-def attention_fn(cfg):
-    """q (B, H, T, D), k/v (B, Hkv, T, D) -> (B, H, T, D), causal, for the family cfg.attention names."""
+def attention_fn(cfg, causal: bool = True):
+    """q (B, H, T, D), k/v (B, Hkv, J, D) -> (B, H, T, D) for the family cfg.attention names: causal over
+    T = J (training, a prefill), or every query over every key (a decode step's one query over the cache)."""
     if cfg.attention == "softmax":
-        return functools.partial(sdpa_attention, backend=cfg.sdpa_backend)
+        return functools.partial(sdpa_attention, backend=cfg.sdpa_backend, causal=causal)
     if cfg.cosine_sdpa:
-        return functools.partial(sdpa_attention, backend=cfg.sdpa_backend, scale=cfg.cosine_scale, normalize=True)
+        return functools.partial(sdpa_attention, backend=cfg.sdpa_backend, causal=causal, scale=cfg.cosine_scale,
+                                 normalize=True)
     backend = "cuda" if cfg.use_cuda_kernel else "torch"
-    return functools.partial(FUNCTIONS[cfg.attention], causal=True, backend=backend, **score_options(cfg))
+    # One query over J cached keys: fastmax's quadratic form costs J·D, its moments J·F·D.
+    form = {"form": "quadratic"} if cfg.attention == "fastmax" and not causal else {}
+    return functools.partial(FUNCTIONS[cfg.attention], causal=causal, backend=backend, **form, **score_options(cfg))
 
 
 def attention_plan(cfg, device, dtype: torch.dtype):
@@ -100,6 +107,28 @@ def attention_flops_per_token(cfg, device, dtype: torch.dtype) -> int:
     return cfg.n_layer * cfg.n_head * per_head
 
 
+class KVCache:
+    """One layer's rotated keys and values for decoding, the last ``capacity`` positions of them.
+
+    A ring: position p lives in slot p % capacity. A decode step's single query weighs every cached key
+    by its own score and sums, in whatever order the slots hold them, so the ring is never shifted; RoPE
+    rotated each key at its absolute position, and q.k depends only on the distance between them.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity, self.filled = capacity, 0
+        self.k = self.v = None
+
+    def add(self, k: torch.Tensor, v: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, Hkv, t, D) of positions pos .. pos + t - 1; return every cached key and value."""
+        if self.k is None:
+            self.k, self.v = (x.new_empty(*x.shape[:2], self.capacity, x.shape[-1]) for x in (k, v))
+        slots = torch.arange(pos, pos + k.shape[2], device=k.device) % self.capacity
+        self.k[:, :, slots], self.v[:, :, slots] = k, v
+        self.filled = min(self.filled + k.shape[2], self.capacity)
+        return self.k[:, :, :self.filled], self.v[:, :, :self.filled]
+
+
 class CausalSelfAttention(nn.Module):
     """Grouped-KV self-attention: n_head query heads share n_kv_head key/value heads."""
 
@@ -115,13 +144,23 @@ class CausalSelfAttention(nn.Module):
         # No dropout on the attention weights: the cosine API has none, and the three families
         # should be regularised alike for a fair comparison.
         self.attend = attention_fn(cfg)
+        self.attend_all = attention_fn(cfg, causal=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
+                pos: int = 0) -> torch.Tensor:
+        """x (B, T, C) at positions pos .. pos + T - 1 (cos, sin: their RoPE rows). With a cache, T new
+        positions join it: a prefill (T >= 1) attends causally among its own, a decode step (T = 1) attends
+        to every cached position."""
         b, t, _ = x.shape
         q, k, v = self.qkv(x).split(self.split, dim=-1)
         q = q.view(b, t, self.n_head, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.attend(q, k, v).transpose(1, 2).reshape(b, t, -1)
+        attend = self.attend
+        if cache is not None:
+            keys, values = cache.add(k, v, pos)
+            if t == 1:  # a decode step: its query sees every cached position
+                k, v, attend = keys, values, self.attend_all
+        y = attend(q, k, v).transpose(1, 2).reshape(b, t, -1)
         return self.resid_dropout(self.proj(y))

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention_cuda.score import check_poly_coefficients
-from model.attention import CausalSelfAttention, attention_flops_per_token, rope_tables
+from model.attention import CausalSelfAttention, KVCache, attention_flops_per_token, rope_tables
 
 VOCAB_SIZE = 256  # bytes
 ATTENTIONS = ("softmax", "cosine", "fastmax")
@@ -147,9 +147,26 @@ class ShortConv(nn.Module):
         self.norm = RMSNorm(cfg.n_embd)
         self.conv = nn.Conv1d(cfg.n_embd, cfg.n_embd, cfg.short_conv, groups=cfg.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.pad(self.norm(x).transpose(1, 2), (self.conv.kernel_size[0] - 1, 0))  # left only: causal
+    def forward(self, x: torch.Tensor, cache: ConvCache | None = None) -> torch.Tensor:
+        """x (B, T, C); with a cache, the positions before x are the cached ones rather than zeros."""
+        h = self.norm(x).transpose(1, 2)
+        width = self.conv.kernel_size[0] - 1
+        h = F.pad(h, (width, 0)) if cache is None else cache.extend(h, width)  # left only: causal
         return self.conv(h).transpose(1, 2)
+
+
+class ConvCache:
+    """A short convolution's last inputs for decoding; zeros before the first, as in training's padding."""
+
+    def __init__(self):
+        self.past = None
+
+    def extend(self, h: torch.Tensor, width: int) -> torch.Tensor:
+        """h (B, C, T) with the width cached inputs before it; keeps the last width for the next call."""
+        past = h.new_zeros(*h.shape[:2], width) if self.past is None else self.past
+        h = torch.cat([past, h], dim=-1)
+        self.past = h[..., h.shape[-1] - width:]
+        return h
 
 
 class Block(nn.Module):
@@ -161,11 +178,27 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None,
+                pos: int = 0) -> torch.Tensor:
         if self.conv is not None:
-            x = x + self.conv(x)
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+            x = x + self.conv(x, None if cache is None else cache.conv)
+        x = x + self.attn(self.attn_norm(x), cos, sin, None if cache is None else cache.attn, pos)
         return x + self.mlp(self.mlp_norm(x))
+
+
+@dataclass
+class LayerCache:
+    attn: KVCache
+    conv: ConvCache
+
+
+class DecodeCache:
+    """What decoding keeps between steps (GPT.new_cache): per block its keys and values (the last seq_len
+    positions) and its short convolution's inputs, and the position of the next byte."""
+
+    def __init__(self, cfg: GPTConfig):
+        self.layers = [LayerCache(KVCache(cfg.seq_len), ConvCache()) for _ in range(cfg.n_layer)]
+        self.pos = 0
 
 
 class GPT(nn.Module):
@@ -202,18 +235,34 @@ class GPT(nn.Module):
         2·N, backward 4·N) plus attention."""
         return 6 * self.num_params() + attention_flops_per_token(self.cfg, self.wte.weight.device, dtype)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"):
+    def new_cache(self) -> DecodeCache:
+        return DecodeCache(self.cfg)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean",
+                cache: DecodeCache | None = None):
         """logits (B, T, 256) and the loss in nats: mean over tokens, or per token (B, T) with
-        reduction="none" (for evaluation by position); the loss is None without targets."""
+        reduction="none" (for evaluation by position); the loss is None without targets.
+
+        With a cache (new_cache()), idx continues what the cache has seen: first a prefill of up to seq_len
+        bytes, then one byte per call. Past seq_len bytes each step attends to the last seq_len positions.
+        """
         t = idx.shape[1]
+        pos = 0 if cache is None else cache.pos
         if t > self.cfg.seq_len:
             raise ValueError(f"idx: sequence length {t} exceeds the model's seq_len={self.cfg.seq_len}")
+        if cache is not None and pos > 0 and t != 1:
+            raise ValueError(f"idx: after the prefill a cache takes one byte per call, got {t}")
         if reduction not in ("mean", "none"):
             raise ValueError(f"reduction: expected 'mean' or 'none', got {reduction!r}")
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        if pos + t <= self.cfg.seq_len:
+            cos, sin = self.rope_cos[pos:pos + t], self.rope_sin[pos:pos + t]
+        else:  # past the tables: the rows of these positions
+            cos, sin = (x.to(idx.device) for x in rope_tables(t, self.cfg.head_dim, self.cfg.rope_base, start=pos))
         x = self.drop(self.wte(idx))
-        for block in self.blocks:
-            x = block(x, cos, sin)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, None if cache is None else cache.layers[i], pos)
+        if cache is not None:
+            cache.pos += t
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits, None
@@ -221,30 +270,38 @@ class GPT(nn.Module):
         return logits, loss.view_as(targets) if reduction == "none" else loss
 
     def stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-               top_p: float | None = None, generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
-        """Yield max_new_tokens sampled bytes after idx (B, T), one (B, 1) tensor at a time, each conditioned on
-        at most the last seq_len bytes.
+               top_p: float | None = None, generator: torch.Generator | None = None,
+               use_cache: bool = True) -> Iterator[torch.Tensor]:
+        """Yield max_new_tokens sampled bytes after idx (B, T), one (B, 1) tensor at a time.
 
+        With the cache (the default) the last seq_len bytes of idx are a prefill and each new byte is one
+        step over the cached keys and values; past seq_len bytes a step attends to the last seq_len positions
+        whose states were computed with their own earlier context. Without it each byte runs the model over
+        the last seq_len bytes afresh (the same bytes up to seq_len; past it, the window is re-encoded).
         Call model.eval() first so dropout is off. ``generator`` keeps sampling off the global RNG, so
-        drawing a sample mid-training does not change the run. Each byte runs the model over the whole window.
+        drawing a sample mid-training does not change the run.
         """
         check_sampling(temperature, top_k, top_p)  # here, not at the first byte: the generator below is lazy
         if idx.ndim != 2 or idx.shape[1] == 0:
             raise ValueError(f"idx: expected (batch, at least one byte), got shape {tuple(idx.shape)}")
 
         def draw(idx):
+            cache = self.new_cache() if use_cache else None
+            inputs = idx[:, -self.cfg.seq_len:]
             for _ in range(max_new_tokens):
                 with torch.no_grad():
-                    logits, _ = self(idx[:, -self.cfg.seq_len:])
+                    logits, _ = self(inputs, cache=cache)
                 next_byte = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
                 idx = torch.cat([idx, next_byte], dim=1)
+                inputs = next_byte if use_cache else idx[:, -self.cfg.seq_len:]
                 yield next_byte
         return draw(idx)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+                 top_p: float | None = None, generator: torch.Generator | None = None,
+                 use_cache: bool = True) -> torch.Tensor:
         """idx (B, T) with max_new_tokens sampled bytes appended (stream's, all at once)."""
-        new = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, generator))
+        new = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache))
         return torch.cat([idx, *new], dim=1)
 
 

@@ -80,13 +80,52 @@ def test_generate_length_and_greedy_determinism():
     torch.manual_seed(0)
     model = GPT(tiny()).eval()
     prompt = torch.randint(0, 256, (2, 5))
-    out = model.generate(prompt, 20, top_k=1, generator=torch.Generator().manual_seed(1))
-    again = model.generate(prompt, 20, top_k=1, generator=torch.Generator().manual_seed(2))
+    out = model.generate(prompt, 20, top_k=1, generator=torch.Generator().manual_seed(1), use_cache=False)
+    again = model.generate(prompt, 20, top_k=1, generator=torch.Generator().manual_seed(2), use_cache=False)
     assert out.shape == (2, 25)  # 25 > seq_len: the context is cropped to the last 16 bytes
     assert torch.equal(out[:, :5], prompt)
     assert torch.equal(out, again)
     logits, _ = model(out[:, -17:-1])  # the last step saw exactly the 16 bytes before it
     assert torch.equal(out[:, -1], logits[:, -1].argmax(-1))
+
+
+CACHED = [dict(attention="softmax"), dict(attention="cosine"), dict(attention="cosine", cosine_sdpa=True),
+          dict(attention="fastmax"), dict(attention="softmax", n_kv_head=2), dict(attention="cosine", short_conv=3)]
+
+
+@pytest.mark.parametrize("overrides", CACHED, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_decoding_with_the_cache_gives_the_bytes_and_logits_of_the_whole_window(overrides):
+    """Up to seq_len bytes, a prefill then one byte per step over the cache is the model on the whole
+    prefix: the same greedy bytes, and each step's logits those of the prefix's last position."""
+    torch.manual_seed(0)
+    model = GPT(tiny(**overrides)).eval()
+    prompt = torch.randint(0, 256, (2, 5))
+    cached = model.generate(prompt, 11, top_k=1, use_cache=True)
+    assert torch.equal(cached, model.generate(prompt, 11, top_k=1, use_cache=False))
+    cache = model.new_cache()
+    with torch.no_grad():
+        steps = [model(cached[:, :5], cache=cache)[0][:, -1]]
+        steps += [model(cached[:, t:t + 1], cache=cache)[0][:, -1] for t in range(5, 16)]
+        whole, _ = model(cached[:, :16])
+    torch.testing.assert_close(torch.stack(steps, dim=1), whole[:, 4:], rtol=1e-4, atol=1e-4)
+
+
+def test_past_seq_len_the_cache_keeps_the_last_seq_len_positions_at_their_own_rotations():
+    """A step past seq_len attends to the last seq_len positions: with one layer (no earlier context in the
+    keys and values) that is the model on the last seq_len bytes, whose RoPE differs only by a shift."""
+    torch.manual_seed(0)
+    model = GPT(tiny(n_layer=1)).eval()
+    data = torch.randint(0, 256, (1, 40))
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(data[:, :16], cache=cache)
+        for t in range(16, 40):
+            step, _ = model(data[:, t:t + 1], cache=cache)
+            window, _ = model(data[:, t - 15:t + 1])
+            torch.testing.assert_close(step[:, -1], window[:, -1], rtol=1e-4, atol=1e-4)
+    assert cache.pos == 40 and cache.layers[0].attn.filled == 16
+    with pytest.raises(ValueError, match="one byte per call"):
+        model(data[:, :2], cache=cache)
 
 
 def test_generate_samples_from_its_generator():
@@ -208,3 +247,19 @@ def test_every_variant_is_a_config_and_found_again():
         assert variant_of(tiny(**dict(variant.settings))) is variant
     with pytest.raises(ValueError, match="no registered attention variant"):
         variant_of(tiny(attention="softmax", sdpa_backend="flash"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["cosine", "fastmax"])
+def test_decoding_on_our_kernels_follows_the_whole_window(attention):
+    """On our kernels a decode step is one query over the cached keys (non-causal, i = 1 != j): its logits
+    are those of the whole prefix's last position, within bf16's rounding of two different summation orders."""
+    torch.manual_seed(0)
+    model = GPT(tiny(attention=attention, use_cuda_kernel=True, n_head=2, n_embd=128, seq_len=512)).cuda().eval()
+    data = torch.randint(0, 256, (2, 512), device="cuda")
+    cache = model.new_cache()
+    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+        steps = [model(data[:, :300], cache=cache)[0][:, -1]]
+        steps += [model(data[:, t:t + 1], cache=cache)[0][:, -1] for t in range(300, 512)]
+        whole, _ = model(data)
+    torch.testing.assert_close(torch.stack(steps, dim=1).float(), whole[:, 299:].float(), rtol=0.05, atol=0.05)

@@ -1,5 +1,6 @@
 """Sampling: the nucleus and top-k filters, and sample.py from a checkpoint that train.py wrote (streamed
 output, seeds, CPU fallback from the kernels, bad prompts, options and files named)."""
+import json
 import subprocess
 import sys
 
@@ -112,3 +113,17 @@ def test_the_command_line_streams_from_a_checkpoint(checkpoint):
                            "--max-new-bytes", "8"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("Hi")
+
+
+def test_the_decode_benchmark_times_both_paths(tmp_path):
+    out = tmp_path / "decode.json"
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "decode.py"), "--config", "configs/tiny_cpu",
+                           "--contexts", "64,128", "--batches", "1,2", "--new-bytes", "4", "--no-cache-max", "64",
+                           "--device", "cpu", "--variants", "softmax,fastmax", "--json", str(out)],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r["context"], r["batch"]) for r in rows] == [
+        (v, t, b) for v in ("softmax", "fastmax") for t in (64, 128) for b in (1, 2)]
+    assert all(r["ms_per_byte"] > 0 for r in rows)
+    assert all(("no_cache_ms_per_byte" in r) == (r["context"] <= 64) for r in rows)
