@@ -3,8 +3,10 @@
     from attention_cuda import cosine_sim_attention, fastmax_attention, exp_attention
 """
 from .fastmax_module import FastMultiHeadAttention
-from .functional import cosine_sim_attention, cuda_unavailable_reason, exp_attention, fastmax_attention, plan
+from .functional import (cosine_sim_attention, cuda_unavailable_reason, exp_attention, fastmax_attention,
+                         fastmax_moments, fastmax_read, plan)
 from .plan import TUNING, Plan, Tuning
 
-__all__ = ["cosine_sim_attention", "fastmax_attention", "exp_attention", "FastMultiHeadAttention",
+__all__ = ["cosine_sim_attention", "fastmax_attention", "fastmax_moments", "fastmax_read", "exp_attention",
+           "FastMultiHeadAttention",
            "cuda_unavailable_reason", "plan", "Plan", "Tuning", "TUNING"]

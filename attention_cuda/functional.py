@@ -181,3 +181,29 @@ def fastmax_attention(q, k, v, *, causal=False, mask=None, p=2, a0=1.0, a1=1.0, 
     policy = poly_policy(p, a0, a1, a2, temperature, normalize, lim)
     plan = _plan(call, causal, policy, backend, form, dropout, tuning)
     return _run(plan, call, causal, policy, dropout)
+
+
+def fastmax_moments(k, v, *, p=2, a0=1.0, a1=1.0, a2=0.5, temperature=1.0, normalize=False, lim=1.0):
+    """The state of fastmax's recurrent form: for k, v (B, Hkv, J, D), the fp32 sum over the J keys of
+    phi(k_s) [v_s, 1]^T, (B, Hkv, F, D + 1) with F = 1 + D (+ D(D+1)/2 for p = 2).
+
+    States add: the moments of two runs of keys are the sum of theirs, so a decoder adds each new key's
+    and reads with fastmax_read in O(F·D) per query whatever the number of keys before it. The options
+    are fastmax_attention's. PyTorch operations (no kernel).
+    """
+    if k.dim() != 4 or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"k, v: expected (B, Hkv, J, D) with the same B, Hkv and J, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    return reference.moments(k, v, poly_policy(p, a0, a1, a2, temperature, normalize, lim))
+
+
+def fastmax_read(q, state, *, p=2, a0=1.0, a1=1.0, a2=0.5, temperature=1.0, normalize=False, lim=1.0):
+    """fastmax_attention of q (B, H, T, D) over the keys whose moments state (fastmax_moments') holds, every
+    query seeing every key, with the same options as made state."""
+    policy = poly_policy(p, a0, a1, a2, temperature, normalize, lim)
+    features = reference._num_features(q.shape[-1], policy)
+    if (q.dim() != 4 or state.dim() != 4 or state.shape[0] != q.shape[0] or q.shape[1] % state.shape[1]
+            or state.shape[2:] != (features, q.shape[-1] + 1)):
+        raise ValueError(f"state: expected (B, Hkv, {features}, {q.shape[-1] + 1}) for q {tuple(q.shape)} "
+                         f"(B, H, T, D) with H a multiple of Hkv, got {tuple(state.shape)}")
+    return reference.read_moments(q, state, policy)

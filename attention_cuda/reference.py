@@ -174,6 +174,20 @@ def _key_moment(k, v, keep, policy):
     return poly_features(ks, policy, query=False).transpose(-1, -2) @ v1
 
 
+def moments(k: torch.Tensor, v: torch.Tensor, policy: ScorePolicy) -> torch.Tensor:
+    """fp32 sum over the keys of phi_k(k_s) [v_s, 1]^T, (B, Hkv, F, D+1): all that a query after them needs."""
+    return _key_moment(k.float(), v.float(), torch.ones_like(k[..., :1], dtype=torch.bool), policy)
+
+
+def read_moments(q: torch.Tensor, state: torch.Tensor, policy: ScorePolicy) -> torch.Tensor:
+    """Every query of q (B, H, T, D) against the keys summed in state (moments'), in q's dtype."""
+    b, h, t, d = q.shape
+    hkv = state.shape[1]
+    phi = poly_features(_query_rows(q.float(), policy), policy, query=True)
+    y = phi.view(b, hkv, h // hkv, t, -1) @ state.unsqueeze(2)  # (B, Hkv, G, T, D+1): [num, l]
+    return _safe_divide(y[..., :-1], y[..., -1:]).reshape(b, h, t, d).to(q.dtype)
+
+
 def _chunk_rows(q, k, v, keep, state, t0, lo, offset, policy):
     """Y = [num, l] of queries [t0, t0 + n) (B, Hkv, G, n, D+1), from the moment ``state`` of the keys
     they all see plus the band of keys [lo, lo + m) given as k, v, keep (empty when there is none)."""

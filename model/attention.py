@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention_cuda import cosine_sim_attention, fastmax_attention, plan
+from attention_cuda import cosine_sim_attention, fastmax_attention, fastmax_moments, fastmax_read, plan
 from attention_cuda.plan import fastmax_features
 
 
@@ -70,9 +70,7 @@ def attention_fn(cfg, causal: bool = True):
         return functools.partial(sdpa_attention, backend=cfg.sdpa_backend, causal=causal, scale=cfg.cosine_scale,
                                  normalize=True)
     backend = "cuda" if cfg.use_cuda_kernel else "torch"
-    # One query over J cached keys: fastmax's quadratic form costs J·D, its moments J·F·D.
-    form = {"form": "quadratic"} if cfg.attention == "fastmax" and not causal else {}
-    return functools.partial(FUNCTIONS[cfg.attention], causal=causal, backend=backend, **form, **score_options(cfg))
+    return functools.partial(FUNCTIONS[cfg.attention], causal=causal, backend=backend, **score_options(cfg))
 
 
 def attention_plan(cfg, device, dtype: torch.dtype):
@@ -115,18 +113,42 @@ class KVCache:
     rotated each key at its absolute position, and q.k depends only on the distance between them.
     """
 
-    def __init__(self, capacity: int):
-        self.capacity, self.filled = capacity, 0
+    def __init__(self, capacity: int, attend_all):
+        self.capacity, self.filled, self.attend_all = capacity, 0, attend_all
         self.k = self.v = None
 
-    def add(self, k: torch.Tensor, v: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, Hkv, t, D) of positions pos .. pos + t - 1; return every cached key and value."""
+    def step(self, q, k, v, pos: int, attend) -> torch.Tensor:
+        """Store k, v (B, Hkv, t, D) of positions pos .. pos + t - 1, and attend: a prefill causally among
+        its own positions (attend), a decode step (t = 1) to every cached one."""
         if self.k is None:
             self.k, self.v = (x.new_empty(*x.shape[:2], self.capacity, x.shape[-1]) for x in (k, v))
         slots = torch.arange(pos, pos + k.shape[2], device=k.device) % self.capacity
         self.k[:, :, slots], self.v[:, :, slots] = k, v
         self.filled = min(self.filled + k.shape[2], self.capacity)
-        return self.k[:, :, :self.filled], self.v[:, :, :self.filled]
+        if k.shape[2] > 1:
+            return attend(q, k, v)
+        return self.attend_all(q, self.k[:, :, :self.filled], self.v[:, :, :self.filled])
+
+
+class MomentsCache:
+    """A fastmax layer's decoding state: the fp32 moments of every key so far (fastmax_moments), of one
+    size whatever the context, so a step costs the same at any length. Past seq_len it keeps every
+    position, a longer context than the model trained on: a window would need the keys leaving it."""
+
+    def __init__(self, options: dict):
+        self.options, self.state = options, None
+
+    def step(self, q, k, v, pos: int, attend) -> torch.Tensor:
+        state = fastmax_moments(k, v, **self.options)
+        self.state = state if self.state is None else self.state + state
+        return attend(q, k, v) if k.shape[2] > 1 else fastmax_read(q, self.state, **self.options)
+
+
+def decode_cache(cfg):
+    """An empty decoding cache for one layer of cfg's attention."""
+    if cfg.attention == "fastmax":
+        return MomentsCache(score_options(cfg))
+    return KVCache(cfg.seq_len, attention_fn(cfg, causal=False))
 
 
 class CausalSelfAttention(nn.Module):
@@ -144,23 +166,16 @@ class CausalSelfAttention(nn.Module):
         # No dropout on the attention weights: the cosine API has none, and the three families
         # should be regularised alike for a fair comparison.
         self.attend = attention_fn(cfg)
-        self.attend_all = attention_fn(cfg, causal=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
-                pos: int = 0) -> torch.Tensor:
-        """x (B, T, C) at positions pos .. pos + T - 1 (cos, sin: their RoPE rows). With a cache, T new
-        positions join it: a prefill (T >= 1) attends causally among its own, a decode step (T = 1) attends
-        to every cached position."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, pos: int = 0) -> torch.Tensor:
+        """x (B, T, C) at positions pos .. pos + T - 1 (cos, sin: their RoPE rows); with a cache
+        (decode_cache's), these positions join it and a decode step (T = 1) reads it."""
         b, t, _ = x.shape
         q, k, v = self.qkv(x).split(self.split, dim=-1)
         q = q.view(b, t, self.n_head, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        attend = self.attend
-        if cache is not None:
-            keys, values = cache.add(k, v, pos)
-            if t == 1:  # a decode step: its query sees every cached position
-                k, v, attend = keys, values, self.attend_all
-        y = attend(q, k, v).transpose(1, 2).reshape(b, t, -1)
+        y = self.attend(q, k, v) if cache is None else cache.step(q, k, v, pos, self.attend)
+        y = y.transpose(1, 2).reshape(b, t, -1)
         return self.resid_dropout(self.proj(y))

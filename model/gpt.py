@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention_cuda.score import check_poly_coefficients
-from model.attention import CausalSelfAttention, KVCache, attention_flops_per_token, rope_tables
+from model.attention import CausalSelfAttention, attention_flops_per_token, decode_cache, rope_tables
 
 VOCAB_SIZE = 256  # bytes
 ATTENTIONS = ("softmax", "cosine", "fastmax")
@@ -188,16 +188,17 @@ class Block(nn.Module):
 
 @dataclass
 class LayerCache:
-    attn: KVCache
+    attn: object  # model.attention's KVCache or MomentsCache
     conv: ConvCache
 
 
 class DecodeCache:
-    """What decoding keeps between steps (GPT.new_cache): per block its keys and values (the last seq_len
-    positions) and its short convolution's inputs, and the position of the next byte."""
+    """What decoding keeps between steps (GPT.new_cache): per block its attention's cache (softmax and
+    cosine: the keys and values of the last seq_len positions; fastmax: the moments of every key) and its
+    short convolution's inputs, and the position of the next byte."""
 
     def __init__(self, cfg: GPTConfig):
-        self.layers = [LayerCache(KVCache(cfg.seq_len), ConvCache()) for _ in range(cfg.n_layer)]
+        self.layers = [LayerCache(decode_cache(cfg), ConvCache()) for _ in range(cfg.n_layer)]
         self.pos = 0
 
 

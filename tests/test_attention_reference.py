@@ -303,6 +303,27 @@ def fastmax_plan(keys, head_dim=16, dtype=torch.bfloat16, **kwargs):
                                **{"form": "auto", **FASTMAX, **kwargs})
 
 
+@pytest.mark.parametrize("options", [dict(), dict(p=1, a2=0.0, normalize=True, lim=2.0), dict(normalize=True)])
+def test_fastmax_moments_add_up_and_read_as_attention_over_their_keys(options):
+    """fastmax_read over fastmax_moments is fastmax_attention with every query seeing every key (grouped
+    heads), and the moments of two runs of keys add up to those of both."""
+    from attention_cuda import fastmax_moments, fastmax_read
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 3, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 50, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    options = {"temperature": 4.0, **options}
+    state = fastmax_moments(k, v, **options)
+    assert state.dtype == torch.float32
+    want = fastmax_attention(q, k, v, form="quadratic", **options)
+    torch.testing.assert_close(fastmax_read(q, state, **options), want, rtol=1e-5, atol=1e-5)
+    halves = fastmax_moments(k[:, :, :20], v[:, :, :20], **options) + fastmax_moments(k[:, :, 20:], v[:, :, 20:], **options)
+    torch.testing.assert_close(halves, state, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="state: expected"):
+        fastmax_read(q[..., :8], state, **options)
+    with pytest.raises(ValueError, match="k, v: expected"):
+        fastmax_moments(k, v[:, :, :10], **options)
+
+
 def test_the_plan_traces_with_a_symbolic_key_count():
     """Under torch.compile with a dynamic sequence length the plan's key count is symbolic: it is kept in
     the plan's reasons as it is (formatted only when read), so the call traces as one graph."""

@@ -128,6 +128,23 @@ def test_past_seq_len_the_cache_keeps_the_last_seq_len_positions_at_their_own_ro
         model(data[:, :2], cache=cache)
 
 
+def test_the_fastmax_state_after_a_prefill_is_the_state_built_byte_by_byte_and_its_size_stays():
+    torch.manual_seed(0)
+    model = GPT(tiny(attention="fastmax")).eval()
+    data = torch.randint(0, 256, (2, 40))
+    whole, steps = model.new_cache(), model.new_cache()
+    with torch.no_grad():
+        model(data[:, :12], cache=whole)
+        for t in range(12):
+            model(data[:, t:t + 1], cache=steps)
+        for a, b in zip(whole.layers, steps.layers):
+            torch.testing.assert_close(a.attn.state, b.attn.state, rtol=1e-5, atol=1e-5)
+        size = [layer.attn.state.shape for layer in steps.layers]
+        for t in range(12, 40):  # past seq_len = 16: every position stays in the moments
+            model(data[:, t:t + 1], cache=steps)
+    assert [layer.attn.state.shape for layer in steps.layers] == size and steps.pos == 40
+
+
 def test_generate_samples_from_its_generator():
     torch.manual_seed(0)
     model = GPT(tiny()).eval()
