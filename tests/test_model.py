@@ -126,6 +126,8 @@ def test_past_seq_len_the_cache_keeps_the_last_seq_len_positions_at_their_own_ro
     assert cache.pos == 40 and cache.layers[0].attn.filled == 16
     with pytest.raises(ValueError, match="one byte per call"):
         model(data[:, :2], cache=cache)
+    with pytest.raises(ValueError, match="sequence length 17 exceeds the model's seq_len=16"):
+        model(data[:, :17], cache=model.new_cache())  # a prefill longer than the cache
 
 
 def test_the_fastmax_state_after_a_prefill_is_the_state_built_byte_by_byte_and_its_size_stays():
