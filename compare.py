@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from lab.cli import choice_list, int_list, refuse_train_flags, require_positive, split_train_flags
-from lab.config import WANDB_MODES
+from lab.cli import choice_list, index_list, int_list, refuse_train_flags, require_positive, split_train_flags
+from lab.config import WANDB_MODES, usage_error
 from lab.config import parse_args as parse_train_args
 from model import GPT
 from model.variants import VARIANTS
@@ -61,16 +61,6 @@ def int_list_or_none(text: str) -> list[int]:
 int_list_or_none.__name__ = int_list.__name__
 
 
-def gpu_list(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v.strip()]
-    if not values or min(values) < 0:
-        raise ValueError(text)
-    return values
-
-
-gpu_list.__name__ = "comma-separated GPU index"
-
-
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(options, train.py flags given after --), or exit 2 naming the bad argument."""
     ours, extra = split_train_flags(argv)
@@ -95,7 +85,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     add("--recall-config", default="configs/recall", help="train.py config of the recall runs")
     add("--data-path", default=None, help="a local enwik8 copy (default: the verified download)")
     add("--device", default="auto", help="auto: every visible GPU (the study needs them); cpu: a smoke run")
-    add("--gpus", type=gpu_list, default=None, help="GPU indices to use (default: all visible)")
+    add("--gpus", type=index_list, default=None, help="GPU indices to use (default: all visible)")
     add("--wandb-mode", default="auto", choices=WANDB_MODES)
     add("--name", default="study", help="the study's name: its wandb group and its runs' folder (default %(default)s)")
     add("--runs-dir", default="out", help="runs go to RUNS_DIR/NAME/ (default %(default)s)")
@@ -114,23 +104,18 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, extra
 
 
-def refuse(message: str):
-    print(f"compare.py: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def devices(args) -> list[str | None]:
     """The workers' CUDA_VISIBLE_DEVICES values (None: the CPU), or exit 2 where the study cannot run."""
     if args.device == "cpu":
         return [None]
     if not torch.cuda.is_available():
-        refuse("the study trains its runs on CUDA GPUs and this machine has none (torch.cuda.is_available() is "
+        usage_error("the study trains its runs on CUDA GPUs and this machine has none (torch.cuda.is_available() is "
                "False): run it on a GPU machine, or pass --device cpu with a tiny config for a smoke run (see "
                "compare.py --help)")
     visible = range(torch.cuda.device_count())
     chosen = args.gpus if args.gpus is not None else list(visible)
     if not chosen or any(g not in visible for g in chosen):
-        refuse(f"--gpus: expected indices among {list(visible)}, got {args.gpus}")
+        usage_error(f"--gpus: expected indices among {list(visible)}, got {args.gpus}")
     return [str(g) for g in chosen]
 
 
@@ -164,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             jobs += later
             done = runner.run(later)
     except StudyError as err:
-        refuse(str(err))
+        usage_error(str(err))
     cfg, _ = parse_train_args(["--config", p.config, *p.extra])
     report = Report(p, collect(runs_dir), jobs, f"{hardware}, torch {torch.__version__}", command,
                     GPT(cfg.model_config()).num_params())

@@ -47,15 +47,25 @@ def require_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, 
 
 
 
-def int_list(text: str) -> list[int]:
-    """argparse type: a comma-separated list of positive ints."""
+def _ints(text: str, least: int) -> list[int]:
     values = [int(v) for v in text.split(",") if v.strip()]
-    if not values or min(values) < 1:
+    if not values or min(values) < least:
         raise ValueError(text)
     return values
 
 
+def int_list(text: str) -> list[int]:
+    """argparse type: a comma-separated list of positive ints."""
+    return _ints(text, 1)
+
+
+def index_list(text: str) -> list[int]:
+    """argparse type: a comma-separated list of indices (ints from 0), such as GPUs'."""
+    return _ints(text, 0)
+
+
 int_list.__name__ = "comma-separated positive int"  # what argparse names in "invalid ... value"
+index_list.__name__ = "comma-separated index"
 
 
 def fmt(value, spec: str) -> str:

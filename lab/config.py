@@ -9,6 +9,7 @@ import argparse
 import ast
 import dataclasses
 import difflib
+import os
 import re
 import sys
 import typing
@@ -265,7 +266,8 @@ def build_parser(defaults: dict, config_label: str) -> argparse.ArgumentParser:
 
 
 def usage_error(message: str) -> typing.NoReturn:
-    print(f"train.py: error: {message}", file=sys.stderr)
+    """Exit 2 with message, prefixed by the running script's name as argparse's own errors are."""
+    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 
