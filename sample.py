@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from lab.config import DTYPES, TrainConfig, usage_error
+from lab.config import DTYPES, usage_error
 from lab.files import load_checkpoint
-from lab.steps import autocast_for, setup_device
+from lab.steps import autocast_for, device_of, model_from_checkpoint
 from model import GPT
 from model.gpt import check_sampling
 
@@ -68,19 +68,12 @@ def read_prompt(args: argparse.Namespace) -> bytes:
 def load_model(args: argparse.Namespace) -> tuple[GPT, torch.device, torch.dtype]:
     path = Path(args.ckpt)
     ckpt = load_checkpoint(path / "ckpt.pt" if path.is_dir() else path, "--ckpt")
-    config = {**ckpt["config"], "device": args.device, "dtype": args.dtype, "compile": False}
-    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
-    if on_cpu and config.get("use_cuda_kernel"):
+    overrides = {"device": args.device, "dtype": args.dtype, "compile": False}
+    if device_of(args.device).type == "cpu" and ckpt["config"].get("use_cuda_kernel"):
         print(f"sample.py: {args.ckpt} trained on our CUDA kernels; sampling on the CPU with the PyTorch reference "
-              f"of the same {config['attention']} attention", file=sys.stderr)
-        config["use_cuda_kernel"] = False
-    try:
-        cfg = TrainConfig(**config)
-    except (TypeError, ValueError) as err:
-        usage_error(f"--ckpt: {args.ckpt}: its config does not build a model here: {err}")
-    device, dtype = setup_device(cfg)
-    model = GPT(cfg.model_config()).to(device)
-    model.load_state_dict(ckpt["model"])
+              f"of the same {ckpt['config']['attention']} attention", file=sys.stderr)
+        overrides["use_cuda_kernel"] = False
+    model, _, device, dtype = model_from_checkpoint(ckpt, f"--ckpt: {args.ckpt}", **overrides)
     return model.eval(), device, dtype
 
 

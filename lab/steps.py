@@ -159,6 +159,19 @@ def sample_text(model: GPT, prompt: bytes, n_bytes: int, device, autocast, seed:
     return bytes(out[0].tolist()).decode("utf-8", errors="replace")
 
 
+def model_from_checkpoint(ckpt: dict, arg: str, **overrides) -> tuple[GPT, TrainConfig, torch.device, torch.dtype]:
+    """The model a checkpoint (load_checkpoint's) holds, built from its config with overrides on the device
+    and dtype they name: (model, config, device, dtype), or exit 2 naming arg when it does not build here."""
+    try:
+        cfg = TrainConfig(**{**ckpt["config"], **overrides})
+    except (TypeError, ValueError) as err:
+        usage_error(f"{arg}: its config does not build a model here: {err}")
+    device, dtype = setup_device(cfg)
+    model = GPT(cfg.model_config()).to(device)
+    model.load_state_dict(ckpt["model"])
+    return model, cfg, device, dtype
+
+
 def attention_problem(cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the attention cfg asks for cannot run here, or None: our kernels (use_cuda_kernel), or a forced
     SDPA backend (sdpa_backend), which cover some devices, head dims, dtypes and forms only. One call on
@@ -199,8 +212,13 @@ def peak_flops(cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> fl
     return None
 
 
+def device_of(name: str) -> torch.device:
+    """The device a config's device field names: auto = cuda if available, else cpu."""
+    return torch.device(name if name != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+
+
 def setup_device(cfg: TrainConfig, local_rank: int = 0, world_size: int = 1) -> tuple[torch.device, torch.dtype]:
-    device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    device = device_of(cfg.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             usage_error(f"device: {cfg.device!r} asked for, but PyTorch sees no CUDA device")

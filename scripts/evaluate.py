@@ -19,10 +19,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root's packages
 
 from data import DataError, load_enwik8  # noqa: E402
-from lab.config import TrainConfig, usage_error  # noqa: E402
+from lab.config import usage_error  # noqa: E402
 from lab.files import load_checkpoint, write_atomically  # noqa: E402
-from lab.steps import autocast_for, evaluate, setup_device  # noqa: E402
-from model import GPT  # noqa: E402
+from lab.steps import autocast_for, evaluate, model_from_checkpoint  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,11 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--seq-len and --max-windows: expected positive ints")
 
     ckpt = load_checkpoint(args.ckpt, "--ckpt")
-    try:
-        cfg = TrainConfig(**{**ckpt["config"], "seq_len": args.seq_len, "device": args.device})
-    except ValueError as err:
-        usage_error(f"{args.ckpt}: {err}")
-    device, dtype = setup_device(cfg)
+    model, cfg, device, dtype = model_from_checkpoint(ckpt, f"--ckpt: {args.ckpt}", seq_len=args.seq_len,
+                                                      device=args.device)
     try:
         split = load_enwik8(args.data_path or cfg.data_path, log=lambda *_: None)[args.split]
     except DataError as err:
@@ -51,8 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     if len(split) <= cfg.seq_len:
         usage_error(f"--seq-len: {cfg.seq_len} needs windows of seq_len + 1 bytes; the {args.split} split has "
                     f"{len(split):,}")
-    model = GPT(cfg.model_config()).to(device)
-    model.load_state_dict(ckpt["model"])
     # One window at a time at long contexts: the activations of a training batch would not fit.
     cfg = dataclasses.replace(cfg, batch_size=max(1, cfg.batch_size * ckpt["config"]["seq_len"] // cfg.seq_len))
     loss, curve = evaluate(model, split, cfg, device, autocast_for(device, dtype), args.max_windows)
