@@ -117,16 +117,16 @@ class KVCache:
         self.capacity, self.filled, self.attend_all = capacity, 0, attend_all
         self.k = self.v = None
 
-    def step(self, q, k, v, pos: int, attend) -> torch.Tensor:
-        """Store k, v (B, Hkv, t, D) of positions pos .. pos + t - 1, and attend: a prefill causally among
-        its own positions (attend), a decode step (t = 1) to every cached one."""
+    def add(self, k: torch.Tensor, v: torch.Tensor, pos: int) -> None:
+        """Store k, v (B, Hkv, t, D) of positions pos .. pos + t - 1."""
         if self.k is None:
             self.k, self.v = (x.new_empty(*x.shape[:2], self.capacity, x.shape[-1]) for x in (k, v))
         slots = torch.arange(pos, pos + k.shape[2], device=k.device) % self.capacity
         self.k[:, :, slots], self.v[:, :, slots] = k, v
         self.filled = min(self.filled + k.shape[2], self.capacity)
-        if k.shape[2] > 1:
-            return attend(q, k, v)
+
+    def read(self, q: torch.Tensor) -> torch.Tensor:
+        """Every query of q over every cached position."""
         return self.attend_all(q, self.k[:, :, :self.filled], self.v[:, :, :self.filled])
 
 
@@ -138,10 +138,12 @@ class MomentsCache:
     def __init__(self, options: dict):
         self.options, self.state = options, None
 
-    def step(self, q, k, v, pos: int, attend) -> torch.Tensor:
+    def add(self, k: torch.Tensor, v: torch.Tensor, pos: int) -> None:
         state = fastmax_moments(k, v, **self.options)
         self.state = state if self.state is None else self.state + state
-        return attend(q, k, v) if k.shape[2] > 1 else fastmax_read(q, self.state, **self.options)
+
+    def read(self, q: torch.Tensor) -> torch.Tensor:
+        return fastmax_read(q, self.state, **self.options)
 
 
 def decode_cache(cfg):
@@ -176,6 +178,9 @@ class CausalSelfAttention(nn.Module):
         k = k.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.attend(q, k, v) if cache is None else cache.step(q, k, v, pos, self.attend)
+        if cache is not None:
+            cache.add(k, v, pos)
+        # A prefill attends causally among its own positions; a decode step's one query reads the cache.
+        y = self.attend(q, k, v) if cache is None or t > 1 else cache.read(q)
         y = y.transpose(1, 2).reshape(b, t, -1)
         return self.resid_dropout(self.proj(y))
