@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 import re
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -471,10 +472,10 @@ def study(src: Sources, link: Link) -> list[str]:
         rows = []
         for v in p["variants"]:
             bpc = [[r["val_bpc"] for r in cells[v, n]] for n in p["seq_lens"]]
-            speed = [sorted(r["tokens_per_s"] for r in cells[v, n])[len(p["seeds"]) // 2] for n in p["seq_lens"]]
+            speed = [statistics.median_high(r["tokens_per_s"] for r in cells[v, n]) for n in p["seq_lens"]]
             rows.append([VARIANT_NAMES.get(v, v), *(_mean_std(b) for b in bpc), *(kilo(x) for x in speed)])
         shortest = min(p["seq_lens"])
-        best = min(sum(r["val_bpc"] for r in cells[v, shortest]) / len(p["seeds"]) for v in p["variants"])
+        best = min(statistics.fmean(r["val_bpc"] for r in cells[v, shortest]) for v in p["variants"])
         lengths = [thousands(n) for n in p["seq_lens"]]
         caption = (f"The study (`make compare`), with its plots, learning-rate sweep, test bpc, train-val gap, "
                    f"extrapolation and recall probe in {link('bench/study/report.md')}: final val bpc, mean ± std "
@@ -494,9 +495,7 @@ def study(src: Sources, link: Link) -> list[str]:
 
 
 def _mean_std(values: list[float]) -> str:
-    mean = sum(values) / len(values)
-    std = (sum((x - mean) ** 2 for x in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
-    return f"{mean:.2f} ± {std:.2f}"
+    return f"{statistics.fmean(values):.2f} ± {statistics.stdev(values) if len(values) > 1 else 0.0:.2f}"
 
 
 TABLES: dict[str, Callable[[Sources, Link], list[str]]] = {

@@ -72,9 +72,12 @@ class Report:
         self.hardware, self.command, self.params = hardware, command, params
         self.ok = [r for r in results if r["status"] == "ok"]
         self.grid = defaultdict(list)  # (variant, seq_len) -> ok grid results
+        self.recall = defaultdict(list)  # (variant, seq_len, pairs) -> test accuracies, one per seed
         for r in self.ok:
             if r["phase"] == "grid":
                 self.grid[r["variant"], r["seq_len"]].append(r)
+            elif r["phase"] == "recall" and "test_accuracy" in r:
+                self.recall[r["variant"], r["seq_len"], r["pairs"]].append(r["test_accuracy"])
 
     def cell(self, variant: str, seq_len: int, key: str) -> list:
         return [r.get(key) for r in self.grid.get((variant, seq_len), [])]
@@ -118,11 +121,6 @@ class Report:
         pairs = [(r["extrapolation"]["bpc"], r["val_bpc"]) for r in self.grid.get((variant, seq_len), [])
                  if "extrapolation" in r]
         return statistics.fmean(a / b for a, b in pairs) if pairs else None
-
-    def recall_accuracies(self, variant: str, seq_len: int, pairs: int) -> list[float]:
-        """The test accuracies of the recall runs of one cell, one per seed."""
-        return [r["test_accuracy"] for r in self.ok if r["phase"] == "recall" and "test_accuracy" in r
-                and (r["variant"], r["seq_len"], r["pairs"]) == (variant, seq_len, pairs)]
 
     # ------------------------------------------------------------------ tables
 
@@ -184,7 +182,7 @@ class Report:
                 cells = []
                 for t in p.recall_seq_lens:
                     for n in p.recall_pairs:
-                        acc = self.recall_accuracies(v, t, n)
+                        acc = self.recall.get((v, t, n), [])
                         cells.append("–" if not acc else
                                      f"{pm(acc)}, {sum(a >= SOLVED for a in acc)}/{len(acc)} learned")
                 out.append(f"| {VARIANTS[v].label} | " + " | ".join(cells) + " |")
@@ -283,21 +281,21 @@ class Report:
                 ax.legend(fontsize=8)
         save(fig, "throughput_memory.png", f"Training throughput and memory ({p.tokens_per_step:,} tokens a step)")
 
-        if any(self.recall_accuracies(v, t, n) for v in p.variants for t in p.recall_seq_lens for n in p.recall_pairs):
+        if self.recall:
             fig, axes = plt.subplots(1, len(p.recall_pairs), figsize=(5 * len(p.recall_pairs), 4.3), sharey=True,
                                      squeeze=False)
             for ax, n in zip(axes[0], p.recall_pairs):
                 for v in p.variants:
-                    lengths = [t for t in p.recall_seq_lens if self.recall_accuracies(v, t, n)]
+                    lengths = [t for t in p.recall_seq_lens if (v, t, n) in self.recall]
                     if not lengths:
                         continue
-                    stats = [spread(self.recall_accuracies(v, t, n)) for t in lengths]
+                    stats = [spread(self.recall[v, t, n]) for t in lengths]
                     means, stds = [m for m, _, _ in stats], [sd for _, sd, _ in stats]
                     ax.plot(lengths, means, color=colors[v], label=VARIANTS[v].label, marker="o")
                     ax.fill_between(lengths, [m - sd for m, sd in zip(means, stds)],
                                     [m + sd for m, sd in zip(means, stds)], color=colors[v], alpha=0.15)
                     for t in lengths:  # each seed, since the mean of all-or-nothing runs hides them
-                        acc = self.recall_accuracies(v, t, n)
+                        acc = self.recall[v, t, n]
                         ax.scatter([t] * len(acc), acc, color=colors[v], s=12, alpha=0.5)
                 ax.set_xscale("log", base=2)
                 ax.set_title(f"{n} key-value pairs")
