@@ -69,10 +69,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     add = parser.add_argument
     add("--config", default="configs/study", help="train.py config of every enwik8 run (default %(default)s)")
     add("--variants", default=DEFAULT_VARIANTS, help="comma list of model/variants.py's (default %(default)s)")
-    add("--seq-lens", type=int_list, default=[1024, 4096, 16384], help="contexts, comma list (default 1024,4096,16384)")
+    add("--seq-lens", type=int_list, default=[1024, 8192, 32768], help="contexts, comma list (default 1024,8192,32768)")
     add("--seeds", type=int_list, default=[1, 2, 3], help="seeds, comma list (default 1,2,3)")
-    add("--steps", type=int, default=1000, help="optimizer steps per run (default %(default)s)")
-    add("--tokens-per-step", type=int, default=16384, help="batch x context, every run (default %(default)s)")
+    add("--steps", type=int, default=1500, help="optimizer steps per run (default %(default)s)")
+    add("--tokens-per-step", type=int, default=32768, help="batch x context, every run (default %(default)s)")
     add("--lrs", type=float_list, default=[1e-3, 2e-3, 4e-3],
         help="the sweep's peak rates at the shortest context; one rate = no sweep (default 1e-3,2e-3,4e-3)")
     add("--sweep-steps", type=int, default=500, help="steps per sweep run (default %(default)s)")

@@ -42,7 +42,7 @@ def test_dry_run_gives_every_run_the_same_budget_and_schedule(capsys):
     grid = [c for c in configs if c.run_name.startswith("grid_")]
     assert len(sweep) == 4 * 3 and len(grid) == 4 * 3 * 3
     assert {(c.batch_size * c.seq_len, c.max_iters, c.warmup_iters, c.lr_decay_iters) for c in grid} == {
-        (16384, 1000, 100, 1000)}
+        (32768, 1500, 150, 1500)}
     assert {c.seq_len for c in sweep} == {1024} and sorted({c.seed for c in grid}) == [1, 2, 3]
     assert {(c.attention, c.use_cuda_kernel, c.cosine_sdpa) for c in grid} == {
         ("softmax", False, False), ("cosine", False, True), ("cosine", True, False), ("fastmax", True, False)}
