@@ -51,6 +51,42 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, None, dbias if bias_grad else None, *([None] * 6)
 
 
+def split_keys(q, k, v, policy: ScorePolicy, dtype: torch.dtype, splits: int) -> torch.Tensor:
+    """The forward alone (no autograd) over about ``splits`` parts of the keys, merged: flash-decoding, for
+    calls whose query blocks alone would leave most SMs idle (plan.key_splits). Same contract as
+    ``attention`` without mask, bias or causal; every query sees every key.
+
+    For each batch row the parts of ``size`` keys are one call, folded into the batch as strided views
+    (no copy), and the remainder another. A part's output is normalised by its own weight sum l_s; the
+    merge weighs it by l_s, which its stat gives as 1 / l_s (fixed shift: every part's weights are on one
+    scale, so they add as they are) or as m_s + log2 l_s (running max: rescaled to the largest). Rows
+    without normalisation (exp) simply add.
+    """
+    ops = torch.ops.attn_cuda
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    b, h, i, d = q.shape
+    j = k.shape[2]
+    size = -(-j // (splits * 128)) * 128  # whole key tiles
+    full = j // size
+    options = (False, policy.kind, policy.scale, policy.qk_norm, policy.coef, policy.normalize_rows)
+    log = ops.stat_is_log(*options[1:], False, dtype)
+    rows = []
+    for n in range(b):
+        parts = [(full, k[n, :, :full * size].unflatten(1, (full, size)).transpose(0, 1),
+                  v[n, :, :full * size].unflatten(1, (full, size)).transpose(0, 1))]
+        if full * size < j:
+            parts.append((1, k[n:n + 1, :, full * size:], v[n:n + 1, :, full * size:]))
+        outs, stats = zip(*(ops.fwd(q[n:n + 1].expand(count, h, i, d), kp, vp, None, None, *options)[:2]
+                            for count, kp, vp in parts))
+        out, stat = torch.cat(outs).float(), torch.cat(stats)[..., :i]
+        if not policy.normalize_rows:
+            rows.append(out.sum(0))
+            continue
+        weight = torch.exp2(stat - stat.amax(0)) if log else torch.where(stat > 0, stat.reciprocal(), 0)
+        rows.append((out * weight[..., None]).sum(0) / weight.sum(0)[..., None])
+    return torch.stack(rows).to(dtype)
+
+
 def linear_attention(q, k, v, mask, causal: bool, policy: ScorePolicy, dtype: torch.dtype, chunk: int,
                      chunked: bool) -> torch.Tensor:
     """Fastmax in its linear form on the kernels: moments carried over chunks of ``chunk`` rows (fp32) on

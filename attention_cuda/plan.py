@@ -10,6 +10,7 @@ autograd Functions over the ops) -> _extension.py (loading the compiled ops) -> 
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -24,6 +25,12 @@ FORMS = ("auto", "quadratic", "linear")
 # The kernels compute logits and weights in fp32 whatever the inputs (fp32 accumulators, fp32 scores).
 KERNEL_SCORE_DTYPE = torch.float32
 LINEAR_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+# Splitting a forward-only call's keys (split_keys): about this many blocks per SM, each over at least
+# SPLIT_MIN_KEYS keys (a part's fixed cost: its launch share, Q tile and merge, against streaming K and V);
+# query blocks counted in tiles of QUERY_TILE rows (the forward kernels' 128 to 192).
+SPLIT_BLOCKS_PER_SM = 2
+SPLIT_MIN_KEYS = 512
+QUERY_TILE = 128
 
 
 @dataclass(frozen=True)
@@ -56,8 +63,9 @@ PROVENANCE = {
 @dataclass(frozen=True)
 class Plan:
     """How one call runs. backend: "cuda" or "torch"; form: "quadratic" or "linear"; path: "reference",
-    "tiled" (the quadratic kernels), "sweep" or "chunked" (the linear form's moments on the kernels);
-    chunk: rows per chunk of the linear form; run_dtype: what the inputs are cast to (autocast's dtype
+    "tiled" (the quadratic kernels), "split" (the tiled forward over parts of the keys, merged: see
+    key_splits), "sweep" or "chunked" (the linear form's moments on the kernels); chunk: rows per chunk of
+    the linear form; splits: parts of the keys on the split path (else 1); run_dtype: what the inputs are cast to (autocast's dtype
     on the kernels, as for SDPA); score_dtype: what logits and weights are computed in; why: a line per
     decision, each a tuple of parts that str() joins. Joined only when read: under torch.compile with
     dynamic shapes a key count is symbolic, and tracing cannot format it into a string."""
@@ -69,6 +77,7 @@ class Plan:
     run_dtype: torch.dtype
     score_dtype: torch.dtype
     why: tuple[tuple, ...]
+    splits: int = 1
 
     def __str__(self) -> str:
         return f"{self.backend}/{self.form}/{self.path}: " + "; ".join("".join(map(str, line)) for line in self.why)
@@ -134,14 +143,27 @@ def linear_from_keys(head_dim: int, p: int, dtype: torch.dtype, on_kernels: bool
     return tuning.sweep_from_keys.get(head_dim, math.inf), f"the sweep's measured crossover ({PROVENANCE['sweep_from_keys']})"
 
 
+def key_splits(sms: int, query_blocks: int, keys: int) -> int:
+    """How many parts a forward-only call's keys are split into, flash-decoding style. A decode step (one
+    query per head) would stream all its keys through a few SMs while the rest idle: when its query blocks
+    (batch x heads x query tiles) occupy under half the SMs, enough parts for SPLIT_BLOCKS_PER_SM blocks
+    an SM, each of at least SPLIT_MIN_KEYS keys; else 1 (split_keys pays a launch per batch row, which a
+    call with that many blocks would not win back)."""
+    if 2 * query_blocks >= sms:
+        return 1
+    return max(1, min(-(-SPLIT_BLOCKS_PER_SM * sms // query_blocks), keys // SPLIT_MIN_KEYS))
+
+
 def resolve(*, device: torch.device, dtype: torch.dtype, head_dim: int, keys: int, policy: ScorePolicy,
             backend: str = "auto", form: str = "quadratic", dropout: float = 0.0,
-            tuning: Tuning | None = None) -> Plan:
+            tuning: Tuning | None = None, splittable: tuple[int, int] | None = None) -> Plan:
     """The plan for a call on inputs of this device, dtype and head dim, with ``keys`` keys.
 
     backend="cuda" must run on the kernels or raise NotImplementedError saying why; "auto" takes them
     when they can. form="auto" (fastmax) takes the linear form from linear_from_keys's key count. The
     policy's logits and weights are checked against the dtype the plan computes them in (ValueError).
+    ``splittable``: (batch x heads, query rows) of a call whose keys may be split (forward only, every
+    query over every key, no mask or bias); None: they may not.
     """
     tuning = tuning or TUNING
     if backend not in BACKENDS:
@@ -189,7 +211,20 @@ def resolve(*, device: torch.device, dtype: torch.dtype, head_dim: int, keys: in
             form, path, chunk = "quadratic", "tiled", None
         else:
             why.append(("moments on the ", path, " kernels, ", chunk, " rows per chunk"))
+    splits = 1
+    if splittable is not None and path == "tiled":
+        heads, rows = splittable
+        blocks = heads * -(-rows // QUERY_TILE)
+        splits = key_splits(_sm_count(device), blocks, keys)
+        if splits > 1:
+            path = "split"
+            why.append(("keys in ", splits, " parts: ", blocks, " query blocks alone would leave SMs idle"))
     score_dtype = KERNEL_SCORE_DTYPE if on_kernels else score_dtype_of_reference(dtype, form == "linear")
     policy.check_range(score_dtype)
     return Plan("cuda" if on_kernels else "torch", form, path, chunk, run_dtype(dtype, on_kernels), score_dtype,
-                tuple(why))
+                tuple(why), splits)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

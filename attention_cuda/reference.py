@@ -174,17 +174,30 @@ def _key_moment(k, v, keep, policy):
     return poly_features(ks, policy, query=False).transpose(-1, -2) @ v1
 
 
+MOMENT_KEYS = 1024  # keys per step of moments(): its features take (B, Hkv, MOMENT_KEYS, F) at a time
+
+
 def moments(k: torch.Tensor, v: torch.Tensor, policy: ScorePolicy) -> torch.Tensor:
-    """fp32 sum over the keys of phi_k(k_s) [v_s, 1]^T, (B, Hkv, F, D+1): all that a query after them needs."""
-    return _key_moment(k.float(), v.float(), torch.ones_like(k[..., :1], dtype=torch.bool), policy)
+    """fp32 sum over the keys of phi_k(k_s) [v_s, 1]^T, (B, Hkv, F, D+1): all that a query after them needs.
+    Summed over runs of MOMENT_KEYS keys, so that a long prefill never holds every key's features (F = 2145
+    floats per key and head at D = 64); fp32 under autocast too, which would round the products to bf16."""
+    b, hkv, j, d = k.shape
+    state = k.new_zeros(b, hkv, _num_features(d, policy), d + 1, dtype=torch.float32)
+    with torch.autocast(k.device.type, enabled=False):
+        for s in range(0, j, MOMENT_KEYS):
+            ks, vs = k[:, :, s:s + MOMENT_KEYS].float(), v[:, :, s:s + MOMENT_KEYS].float()
+            state += _key_moment(ks, vs, torch.ones_like(ks[..., :1], dtype=torch.bool), policy)
+    return state
 
 
 def read_moments(q: torch.Tensor, state: torch.Tensor, policy: ScorePolicy) -> torch.Tensor:
-    """Every query of q (B, H, T, D) against the keys summed in state (moments'), in q's dtype."""
+    """Every query of q (B, H, T, D) against the keys summed in state (moments'), in fp32 (under autocast too),
+    returned in q's dtype."""
     b, h, t, d = q.shape
     hkv = state.shape[1]
-    phi = poly_features(_query_rows(q.float(), policy), policy, query=True)
-    y = phi.view(b, hkv, h // hkv, t, -1) @ state.unsqueeze(2)  # (B, Hkv, G, T, D+1): [num, l]
+    with torch.autocast(q.device.type, enabled=False):
+        phi = poly_features(_query_rows(q.float(), policy), policy, query=True)
+        y = phi.view(b, hkv, h // hkv, t, -1) @ state.unsqueeze(2)  # (B, Hkv, G, T, D+1): [num, l]
     return _safe_divide(y[..., :-1], y[..., -1:]).reshape(b, h, t, d).to(q.dtype)
 
 

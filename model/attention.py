@@ -61,16 +61,18 @@ def sdpa_attention(q, k, v, *, backend: str, causal: bool = True, scale: float |
                                               enable_gqa=q.shape[1] != k.shape[1])
 
 
-def attention_fn(cfg, causal: bool = True):
+def attention_fn(cfg, causal: bool = True, unit_rows: bool = False):
     """q (B, H, T, D), k/v (B, Hkv, J, D) -> (B, H, T, D) for the family cfg.attention names: causal over
-    T = J (training, a prefill), or every query over every key (a decode step's one query over the cache)."""
+    T = J (training, a prefill), or every query over every key (a decode step's one query over the cache).
+    unit_rows (cosine): q and k arrive l2-normalised, as cosine's decode cache keeps its keys."""
     if cfg.attention == "softmax":
         return functools.partial(sdpa_attention, backend=cfg.sdpa_backend, causal=causal)
     if cfg.cosine_sdpa:
         return functools.partial(sdpa_attention, backend=cfg.sdpa_backend, causal=causal, scale=cfg.cosine_scale,
-                                 normalize=True)
+                                 normalize=not unit_rows)
     backend = "cuda" if cfg.use_cuda_kernel else "torch"
-    return functools.partial(FUNCTIONS[cfg.attention], causal=causal, backend=backend, **score_options(cfg))
+    options = {**score_options(cfg), **({"l2norm_qk": False} if unit_rows else {})}
+    return functools.partial(FUNCTIONS[cfg.attention], causal=causal, backend=backend, **options)
 
 
 def attention_plan(cfg, device, dtype: torch.dtype):
@@ -111,14 +113,19 @@ class KVCache:
     A ring: position p lives in slot p % capacity. A decode step's single query weighs every cached key
     by its own score and sums, in whatever order the slots hold them, so the ring is never shifted; RoPE
     rotated each key at its absolute position, and q.k depends only on the distance between them.
+    With unit_rows (cosine) the keys are stored l2-normalised and each query is normalised as it reads
+    (attend_all takes unit rows): a step then streams the cache once, as SDPA's decode does, rather than
+    normalising every cached key again.
     """
 
-    def __init__(self, capacity: int, attend_all):
-        self.capacity, self.filled, self.attend_all = capacity, 0, attend_all
+    def __init__(self, capacity: int, attend_all, unit_rows: bool = False):
+        self.capacity, self.filled, self.attend_all, self.unit_rows = capacity, 0, attend_all, unit_rows
         self.k = self.v = None
 
     def add(self, k: torch.Tensor, v: torch.Tensor, pos: int) -> None:
         """Store k, v (B, Hkv, t, D) of positions pos .. pos + t - 1."""
+        if self.unit_rows:
+            k = unit(k)
         if self.k is None:
             self.k, self.v = (x.new_empty(*x.shape[:2], self.capacity, x.shape[-1]) for x in (k, v))
         slots = torch.arange(pos, pos + k.shape[2], device=k.device) % self.capacity
@@ -127,7 +134,12 @@ class KVCache:
 
     def read(self, q: torch.Tensor) -> torch.Tensor:
         """Every query of q over every cached position."""
-        return self.attend_all(q, self.k[:, :, :self.filled], self.v[:, :, :self.filled])
+        return self.attend_all(unit(q) if self.unit_rows else q, self.k[:, :, :self.filled], self.v[:, :, :self.filled])
+
+
+def unit(x: torch.Tensor) -> torch.Tensor:
+    """Rows scaled to norm 1 in fp32, then rounded to x's dtype (as the kernels' and SDPA users' own are)."""
+    return F.normalize(x.float(), dim=-1).to(x.dtype)
 
 
 class MomentsCache:
@@ -150,7 +162,8 @@ def decode_cache(cfg):
     """An empty decoding cache for one layer of cfg's attention."""
     if cfg.attention == "fastmax":
         return MomentsCache(score_options(cfg))
-    return KVCache(cfg.seq_len, attention_fn(cfg, causal=False))
+    cosine = cfg.attention == "cosine"
+    return KVCache(cfg.seq_len, attention_fn(cfg, causal=False, unit_rows=cosine), unit_rows=cosine)
 
 
 class CausalSelfAttention(nn.Module):

@@ -54,8 +54,8 @@ def measure(model: GPT, context: int, batch: int, new_bytes: int, no_cache: bool
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="decode.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/base", help="the model's train.py config (default %(default)s)")
-    parser.add_argument("--variants", default=None, help="model/variants.py names (default: softmax and cosine and "
-                        "fastmax on our kernels on a GPU, on the PyTorch reference on a CPU)")
+    parser.add_argument("--variants", default=None, help="model/variants.py names (default: softmax, cosine on SDPA "
+                        "and on our kernels, and fastmax on our kernels on a GPU; on the PyTorch reference on a CPU)")
     parser.add_argument("--contexts", type=int_list, default=[1024, 8192, 65536, 131072])
     parser.add_argument("--batches", type=int_list, default=[1, 16])
     parser.add_argument("--new-bytes", type=int, default=32, help="decode steps timed per cell (default %(default)s)")
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
     gpu = args.device != "cpu" and torch.cuda.is_available()
-    default = "softmax,cosine-kernel,fastmax-kernel" if gpu else "softmax,cosine,fastmax"
+    default = "softmax,cosine-sdpa,cosine-kernel,fastmax-kernel" if gpu else "softmax,cosine,fastmax"
     variants = choice_list(parser, "--variants", args.variants or default, VARIANTS)
     bad = [t for t in args.contexts if t <= args.new_bytes]
     if args.new_bytes < 1 or bad:

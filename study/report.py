@@ -57,6 +57,17 @@ def chosen_lrs(results: list[dict], variants, lrs) -> dict[str, float]:
     return best
 
 
+def shared_legend(axes) -> None:
+    """One legend, on the first plot, of every line the plots drew: in a study still running, the first
+    plot's cell may have no runs yet while the others have."""
+    lines = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            lines.setdefault(label, handle)
+    if lines:
+        axes[0].legend(list(lines.values()), list(lines), fontsize=8)
+
+
 def mean_curve(curves: list[list]) -> list[tuple[int, float, float]]:
     """[(position, mean bpc, std)] over runs whose curves share positions."""
     by_pos = defaultdict(list)
@@ -240,7 +251,7 @@ class Report:
             ax.set_xlabel("position in the context (bytes; bucket end)")
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel("val bpc in the bucket (mean ± std over seeds)")
-        axes[0][0].legend(fontsize=8)
+        shared_legend(axes[0])
         save(fig, "bpc_by_position.png", f"Val bpc by position in the context: does more context help?\n{budget}")
 
         fig, axes = plt.subplots(1, len(p.variants), figsize=(4.6 * len(p.variants), 4.3), sharey=True, squeeze=False)
@@ -303,7 +314,7 @@ class Report:
                 ax.set_ylim(0, 1.02)
                 ax.grid(alpha=0.3)
             axes[0][0].set_ylabel("recall accuracy on queried values (mean ± std; dots: seeds)")
-            axes[0][0].legend(fontsize=8)
+            shared_legend(axes[0])
             save(fig, "recall.png", f"Associative recall accuracy ({p.recall_steps} steps, seeds "
                                    f"{', '.join(map(str, p.seeds))})")
         return files

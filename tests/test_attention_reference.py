@@ -1,4 +1,5 @@
 """The pure-PyTorch references against a float64 brute-force loop written from the DESIGN.md math."""
+import importlib
 import itertools
 import math
 import zlib
@@ -324,6 +325,24 @@ def test_fastmax_moments_add_up_and_read_as_attention_over_their_keys(options):
         fastmax_moments(k, v[:, :, :10], **options)
 
 
+def test_fastmax_moments_stay_fp32_under_autocast_and_over_long_prefills():
+    """A decoder's state is summed in fp32 whatever autocast says (bf16 products would round the sums a
+    read divides), over runs of MOMENT_KEYS keys: the same state as the keys' features taken at once."""
+    from attention_cuda import fastmax_moments, fastmax_read, reference
+    from attention_cuda.score import poly_policy
+    g = torch.Generator().manual_seed(6)
+    k, v = (torch.randn(1, 2, 2 * reference.MOMENT_KEYS + 300, 8, generator=g) for _ in range(2))
+    q = torch.randn(1, 2, 1, 8, generator=g)
+    with torch.autocast("cpu", torch.bfloat16):
+        state = fastmax_moments(k, v, temperature=4.0)
+        out = fastmax_read(q, state, temperature=4.0)
+    assert state.dtype == out.dtype == torch.float32
+    whole = reference._key_moment(k, v, torch.ones_like(k[..., :1], dtype=torch.bool),
+                                  poly_policy(2, 1.0, 1.0, 0.5, 4.0, False, 1.0))
+    torch.testing.assert_close(state, whole, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(out, fastmax_read(q, whole, temperature=4.0), rtol=1e-5, atol=1e-6)
+
+
 def test_the_plan_traces_with_a_symbolic_key_count():
     """Under torch.compile with a dynamic sequence length the plan's key count is symbolic: it is kept in
     the plan's reasons as it is (formatted only when read), so the call traces as one graph."""
@@ -363,3 +382,26 @@ def test_fastmax_auto_form_on_the_kernels_follows_the_measured_crossover(fake_ke
     with pytest.raises(NotImplementedError, match="dropout"):
         fastmax_plan(cross, backend="cuda", dropout=0.1)
     assert fastmax_plan(cross, dropout=0.1).backend == "torch"
+
+
+def test_forward_only_calls_with_few_query_blocks_split_their_keys(fake_kernels, monkeypatch):
+    """A decode step's few query blocks would leave most SMs idle: its keys go in parts (flash-decoding),
+    enough for two blocks an SM, each of at least SPLIT_MIN_KEYS keys; a call whose blocks fill half the
+    GPU, that has few keys, or needs the backward (splittable None: functional._plan's decision) runs whole."""
+    plans = importlib.import_module("attention_cuda.plan")  # the module, which the package's plan() shadows
+    from attention_cuda.score import cosine_policy
+    assert plans.key_splits(132, 8, 131072) == 33
+    assert plans.key_splits(132, 40, 131072) == 7
+    assert plans.key_splits(132, 66, 131072) == 1
+    assert plans.key_splits(132, 8, 1500) == 2 and plans.key_splits(132, 8, 1000) == 1
+    monkeypatch.setattr(plans, "_sm_count", lambda device: 132)
+
+    def resolve(splittable, keys=131072):
+        return plans.resolve(device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=64, keys=keys,
+                             policy=cosine_policy(10.0, True), splittable=splittable)
+
+    step = resolve((8, 1))
+    assert (step.path, step.splits) == ("split", 33) and "keys in 33 parts" in str(step)
+    assert resolve((8, 300)).splits == 11  # 8 heads x 3 query tiles: 264 / 24
+    for whole in (resolve(None), resolve((66, 1)), resolve((8, 1), keys=900)):
+        assert (whole.path, whole.splits) == ("tiled", 1)

@@ -183,6 +183,31 @@ def test_cosine_scales_past_the_no_max_bound(dtype, scale):
     compare([case], lambda q, k, v, **kw: cosine_sim_attention(q, k, v, scale=scale, **kw), dtype)
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda t: str(t).split(".")[-1])
+def test_forward_over_split_keys_matches_float64(monkeypatch, dtype, family):
+    """A forward-only call with few query rows and many keys runs split over the keys (plan path "split"),
+    the parts merged by their row statistics: one batch row (parts folded into the batch, and a remainder),
+    several batch rows with grouped heads, one and a few queries; the fixed shift (cosine), the running max
+    (pre-normalised cosine) and unnormalised rows (exp) all merge."""
+    import attention_cuda.functional as functional
+    plans, run = [], functional._run
+    monkeypatch.setattr(functional, "_run", lambda plan, *a, **kw: plans.append(plan) or run(plan, *a, **kw))
+    call = FAMILIES[family][0]
+    problems = []
+    for n, shape in enumerate([(1, 8, 8, 1, 20000), (3, 4, 2, 3, 5000), (1, 2, 1, 1, 1100)]):
+        leaves, _, _ = make_case(shape, 64, family, "none", seed=n)
+        with torch.no_grad():
+            ref, torch_dt = (call(*(t.to(dt) for t in leaves), backend="torch") for dt in (torch.float64, dtype))
+            poison_allocator()
+            kernel = call(*(t.to(dtype) for t in leaves), backend="cuda")
+        assert plans[-1].path == "split" and plans[-1].splits > 1, str(plans[-1])
+        problem = rule_violation(kernel, torch_dt, ref, dtype)
+        if problem:
+            problems.append(f"{shape}: {problem}")
+    assert not problems, "\n".join(problems)
+
+
 def test_forward_bits_are_reproducible():
     leaves, kw, _ = make_case((2, 4, 2, 300, 300), 64, "cosine", "all", seed=3)
     q, k, v, bias = (t.to(torch.bfloat16) for t in leaves)

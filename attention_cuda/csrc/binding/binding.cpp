@@ -492,6 +492,14 @@ Tensor attn_lin_grad(const Tensor& acc, const Tensor& scale, const optional<Tens
   return out;
 }
 
+// Whether attn_cuda::fwd's stat is a row's log2 of its weight sum (m + log2 l, the running-max variant) rather
+// than 1 / l (fixed shift), for a call with these options: what merging the outputs of calls over parts of
+// the keys needs (attention_cuda/_kernels.py split_keys), decided here by the same choose_score as the call.
+bool stat_is_log(c10::string_view kind, double scale, optional<double> qk_norm, at::ArrayRef<double> coef,
+                 bool normalize, bool has_bias, at::ScalarType dtype) {
+  return make_score(kind, scale, qk_norm, coef, normalize, has_bias, dtype).score == attn::Score::kExpRowMax;
+}
+
 std::vector<int64_t> head_dims(at::ScalarType dtype) {
   attn::Dtype d;
   return kernel_dtype(dtype, &d) ? attn::compiled_head_dims(d) : std::vector<int64_t>{};
@@ -522,6 +530,8 @@ TORCH_LIBRARY(attn_cuda, m) {
         "-> (Tensor, Tensor)");
   m.def("chunked_head_dims(ScalarType dtype) -> int[]", &chunked_head_dims);
   m.def("chunked_image_bytes(int D, bool second) -> int", &chunked_image_bytes);
+  m.def("stat_is_log(str kind, float scale, float? qk_norm, float[] coef, bool normalize, bool has_bias, "
+        "ScalarType dtype) -> bool", &stat_is_log);
 }
 
 TORCH_LIBRARY_IMPL(attn_cuda, CUDA, m) {
