@@ -78,7 +78,7 @@ def score_dtype(dtype: torch.dtype, linear: bool) -> torch.dtype:
     return dtype if not linear or dtype == torch.float64 else torch.float32
 
 
-def _safe_divide(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+def safe_divide(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     """num / den, with rows whose weights sum to zero (no visible key) giving zeros, not NaN."""
     ok = den > 0
     return num / torch.where(ok, den, torch.ones_like(den)) * ok
@@ -110,7 +110,7 @@ def quadratic(q, k, v, mask, bias, causal: bool, policy: ScorePolicy, dropout: f
     else:  # exp: no normalisation, so no shift is allowed either
         a = torch.exp(x)
     if policy.normalize_rows:
-        a = _safe_divide(a, a.sum(dim=-1, keepdim=True))
+        a = safe_divide(a, a.sum(dim=-1, keepdim=True))
     if dropout > 0:
         a = F.dropout(a, p=dropout)
     return _mark_rows(a @ v, poisoned)
@@ -168,7 +168,7 @@ def _key_rows(k, v, keep, policy):
     return scale_rows(k, policy.qk_norm), v1
 
 
-def _key_moment(k, v, keep, policy):
+def key_moment(k, v, keep, policy):
     """sum over the given keys of phi_k(k_s) [v_s, 1]^T: (B, Hkv, F, D+1)."""
     ks, v1 = _key_rows(k, v, keep, policy)
     return poly_features(ks, policy, query=False).transpose(-1, -2) @ v1
@@ -186,7 +186,7 @@ def moments(k: torch.Tensor, v: torch.Tensor, policy: ScorePolicy) -> torch.Tens
     with torch.autocast(k.device.type, enabled=False):
         for s in range(0, j, MOMENT_KEYS):
             ks, vs = k[:, :, s:s + MOMENT_KEYS].float(), v[:, :, s:s + MOMENT_KEYS].float()
-            state += _key_moment(ks, vs, torch.ones_like(ks[..., :1], dtype=torch.bool), policy)
+            state += key_moment(ks, vs, torch.ones_like(ks[..., :1], dtype=torch.bool), policy)
     return state
 
 
@@ -198,10 +198,10 @@ def read_moments(q: torch.Tensor, state: torch.Tensor, policy: ScorePolicy) -> t
     with torch.autocast(q.device.type, enabled=False):
         phi = poly_features(_query_rows(q.float(), policy), policy, query=True)
         y = phi.view(b, hkv, h // hkv, t, -1) @ state.unsqueeze(2)  # (B, Hkv, G, T, D+1): [num, l]
-    return _safe_divide(y[..., :-1], y[..., -1:]).reshape(b, h, t, d).to(q.dtype)
+    return safe_divide(y[..., :-1], y[..., -1:]).reshape(b, h, t, d).to(q.dtype)
 
 
-def _chunk_rows(q, k, v, keep, state, t0, lo, offset, policy):
+def chunk_rows(q, k, v, keep, state, t0, lo, offset, policy):
     """Y = [num, l] of queries [t0, t0 + n) (B, Hkv, G, n, D+1), from the moment ``state`` of the keys
     they all see plus the band of keys [lo, lo + m) given as k, v, keep (empty when there is none)."""
     qs = _query_rows(q, policy)
@@ -234,7 +234,7 @@ def _key_slices(lo, hi, chunk):
 
 def _moment(k, v, keep, lo, hi, policy, chunk):
     """sum over keys [lo, hi) of phi_k(k_s) [v_s, 1]^T: (B, Hkv, F, D+1), or 0 when the range is empty."""
-    return sum(_key_moment(k[:, :, s], v[:, :, s], keep[:, :, s], policy)
+    return sum(key_moment(k[:, :, s], v[:, :, s], keep[:, :, s], policy)
                for s in _key_slices(lo, hi, chunk))
 
 
@@ -261,10 +261,10 @@ class _FastmaxLinear(torch.autograd.Function):
         state = qw.new_zeros(bsz, hkv, _num_features(d, policy), d + 1)
         for t0, t1, k0, lo, hi in _query_chunks(i, j, causal, chunk):
             state = state + _moment(kw, vw, keep, k0, lo, policy, chunk)
-            y[..., t0:t1, :] = _chunk_rows(qw[..., t0:t1, :], kw[:, :, lo:hi], vw[:, :, lo:hi],
+            y[..., t0:t1, :] = chunk_rows(qw[..., t0:t1, :], kw[:, :, lo:hi], vw[:, :, lo:hi],
                                            keep[:, :, lo:hi], state, t0, lo, j - i, policy)
         l = y[..., d].clone()  # a copy, so that saving it does not keep all of y alive
-        out = _safe_divide(y[..., :d], l[..., None]).reshape(bsz, heads, i, d).to(q.dtype)
+        out = safe_divide(y[..., :d], l[..., None]).reshape(bsz, heads, i, d).to(q.dtype)
         ctx.save_for_backward(q, k, v, mask, out, l)
         ctx.causal, ctx.policy, ctx.chunk = causal, policy, chunk
         return out
@@ -283,7 +283,7 @@ class _FastmaxLinear(torch.autograd.Function):
         d_out = d_out.to(work).reshape(bsz, hkv, group, i, d)
         delta = (d_out * out.to(work).reshape(bsz, hkv, group, i, d)).sum(-1, keepdim=True)
         # Rows with l == 0 (no visible key, or all weights zero) output constant zeros: no gradient.
-        dy = _safe_divide(torch.cat([d_out, -delta], dim=-1), l[..., None])
+        dy = safe_divide(torch.cat([d_out, -delta], dim=-1), l[..., None])
         dq, dk, dv = torch.zeros_like(qw), torch.zeros_like(kw), torch.zeros_like(vw)
 
         state = qw.new_zeros(bsz, hkv, _num_features(d, policy), d + 1)
@@ -291,7 +291,7 @@ class _FastmaxLinear(torch.autograd.Function):
             state = state + _moment(kw, vw, keep, k0, lo, policy, chunk)
             qc, kb, vb = (_leaf(x) for x in (qw[..., t0:t1, :], kw[:, :, lo:hi], vw[:, :, lo:hi]))
             with torch.enable_grad():
-                y = _chunk_rows(qc, kb, vb, keep[:, :, lo:hi], state, t0, lo, j - i, policy)
+                y = chunk_rows(qc, kb, vb, keep[:, :, lo:hi], state, t0, lo, j - i, policy)
             gq, gk, gv = torch.autograd.grad(y, (qc, kb, vb), dy[..., t0:t1, :])
             dq[..., t0:t1, :] = gq
             dk[:, :, lo:hi] += gk  # the band's keys; summing over the group happened in the broadcast
@@ -304,7 +304,7 @@ class _FastmaxLinear(torch.autograd.Function):
             for s in _key_slices(k0, lo, chunk):  # keys [k0, lo) are in S for this chunk and every later one
                 kc, vc = _leaf(kw[:, :, s]), _leaf(vw[:, :, s])
                 with torch.enable_grad():
-                    m = _key_moment(kc, vc, keep[:, :, s], policy)
+                    m = key_moment(kc, vc, keep[:, :, s], policy)
                 gk, gv = torch.autograd.grad(m, (kc, vc), r)
                 dk[:, :, s] += gk
                 dv[:, :, s] += gv

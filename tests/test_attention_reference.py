@@ -337,7 +337,7 @@ def test_fastmax_moments_stay_fp32_under_autocast_and_over_long_prefills():
         state = fastmax_moments(k, v, temperature=4.0)
         out = fastmax_read(q, state, temperature=4.0)
     assert state.dtype == out.dtype == torch.float32
-    whole = reference._key_moment(k, v, torch.ones_like(k[..., :1], dtype=torch.bool),
+    whole = reference.key_moment(k, v, torch.ones_like(k[..., :1], dtype=torch.bool),
                                   poly_policy(2, 1.0, 1.0, 0.5, 4.0, False, 1.0))
     torch.testing.assert_close(state, whole, rtol=1e-5, atol=1e-3)
     torch.testing.assert_close(out, fastmax_read(q, whole, temperature=4.0), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,116 @@
+"""Context parallelism at the attention level: 2 and 4 CPU processes over gloo, each holding its slice of
+one sequence, give the single-process reference's outputs and gradients, in plain and zigzag order."""
+import datetime
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from attention_cuda import cosine_sim_attention, fastmax_attention
+from model.context_parallel import cosine_ring_attention, fastmax_context_parallel, shard_sequence
+
+B, H, T, D = 2, 4, 24, 8  # T = 24: 3 positions a chunk at 4 ranks in zigzag order (8 chunks)
+FASTMAX = dict(p=2, a0=1.0, a1=1.0, a2=0.5, temperature=2.0)
+REFERENCES = {"cosine": functools.partial(cosine_sim_attention, scale=10.0, backend="torch"),
+              "fastmax": functools.partial(fastmax_attention, backend="torch", form="quadratic", **FASTMAX)}
+PARALLEL = {"cosine": functools.partial(cosine_ring_attention, scale=10.0),
+            "fastmax": functools.partial(fastmax_context_parallel, **FASTMAX)}
+# (causal, zigzag, kv heads): grouped heads (2) and one kv head (1) ride along with causal attention.
+CASES = [(True, False, H), (True, True, H), (False, False, H), (False, True, H), (True, False, 2), (True, True, 1)]
+
+
+def output_and_grads(attention, inputs, d_out):
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    out = attention(*leaves)
+    return (out.detach(), *torch.autograd.grad(out, leaves, d_out))
+
+
+def check_case(rank: int, world: int, family: str, causal: bool, zigzag: bool, kv_heads: int, group=None) -> None:
+    """This rank's slice of the context-parallel result against the same rows of the whole-sequence one;
+    rank and world are the ones of ``group`` (None: the default group)."""
+    gen = torch.Generator().manual_seed(0)  # every rank draws the same whole sequence
+    q, d_out = (torch.randn(B, H, T, D, dtype=torch.float64, generator=gen) for _ in range(2))
+    k, v = (torch.randn(B, kv_heads, T, D, dtype=torch.float64, generator=gen) for _ in range(2))
+    expected = output_and_grads(functools.partial(REFERENCES[family], causal=causal), (q, k, v), d_out)
+
+    _, positions = shard_sequence(torch.zeros(1, T), rank, world, zigzag=zigzag)
+    attention = functools.partial(PARALLEL[family], group=group, causal=causal, zigzag=zigzag)
+    got = output_and_grads(attention, [x[:, :, positions] for x in (q, k, v)], d_out[:, :, positions])
+    case = f"{family} rank {rank}/{world} causal={causal} zigzag={zigzag} kv_heads={kv_heads}"
+    for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
+        torch.testing.assert_close(g, e[:, :, positions], msg=lambda m: f"{case}: {name}: {m}")
+
+
+def run_cases(rank: int, world: int, store: str, family: str) -> None:
+    torch.set_num_threads(1)  # 4 processes on 2 cores
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))  # a hung ring fails, not the whole run
+    try:
+        for case in CASES:
+            check_case(rank, world, family, *case)
+        if world == 4:  # two sequences side by side on groups of two, as beside data parallelism
+            pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+            check_case(rank % 2, 2, family, True, True, H, group=pairs[rank // 2])
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("family", ["cosine", "fastmax"])
+def test_slices_across_processes_give_the_single_process_outputs_and_gradients(family, world, tmp_path):
+    mp.spawn(run_cases, args=(world, str(tmp_path / "store"), family), nprocs=world)
+
+
+@pytest.fixture
+def group_of_one(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family", ["cosine", "fastmax"])
+def test_a_group_of_one_is_the_single_process_attention(family, group_of_one):
+    for case in CASES:
+        check_case(0, 1, family, *case)
+
+
+def test_shard_sequence_gives_plain_and_zigzag_slices_and_their_positions():
+    x = torch.arange(16).view(2, 8)
+    for rank, zigzag, positions in [(0, False, [0, 1, 2, 3]), (1, False, [4, 5, 6, 7]),
+                                    (0, True, [0, 1, 6, 7]), (1, True, [2, 3, 4, 5])]:
+        local, got = shard_sequence(x, rank, 2, zigzag=zigzag)
+        assert got.tolist() == positions
+        assert torch.equal(local, x[:, positions])
+
+
+@pytest.mark.parametrize("length, world, zigzag, match", [
+    (10, 4, False, "x: expected .* T divisible by 4"),
+    (12, 4, True, "x: expected .* T divisible by 8 .* zigzag"),
+])
+def test_shard_sequence_refuses_a_length_the_chunks_do_not_divide(length, world, zigzag, match):
+    with pytest.raises(ValueError, match=match):
+        shard_sequence(torch.zeros(1, length), 0, world, zigzag=zigzag)
+
+
+def test_shard_sequence_refuses_a_rank_outside_the_world():
+    with pytest.raises(ValueError, match="rank: expected 0 <= rank < world_size=2, got 2"):
+        shard_sequence(torch.zeros(1, 8), 2, 2)
+
+
+@pytest.mark.parametrize("attention", [cosine_ring_attention, fastmax_context_parallel])
+def test_bad_slices_are_refused_before_any_communication(attention):
+    q = torch.zeros(1, 4, 6, 8)
+    with pytest.raises(ValueError, match="k, v: expected"):
+        attention(q, torch.zeros(1, 4, 5, 8), torch.zeros(1, 4, 5, 8), causal=True)
+    with pytest.raises(ValueError, match="k, v: expected .* Hkv dividing H=4"):
+        attention(q, torch.zeros(1, 3, 6, 8), torch.zeros(1, 3, 6, 8), causal=True)
+    with pytest.raises(ValueError, match="q: zigzag .* even, got T=5"):
+        attention(q[:, :, :5], q[:, :, :5], q[:, :, :5], causal=True, zigzag=True)
+
+
+def test_an_unknown_backend_is_refused():
+    q = torch.zeros(1, 4, 6, 8)
+    with pytest.raises(ValueError, match="backend: expected one of \\('torch',\\), got 'cuda'"):
+        cosine_ring_attention(q, q, q, causal=True, backend="cuda")
