@@ -55,7 +55,7 @@ from lab.config import CommandLine, TrainConfig, parse_command_line, resumed_con
 from lab.files import RunDir, RunLog, checkpoint_to_resume, describe_data, save_checkpoint
 from lab.steps import (autocast_for, clip_gradients, evaluate, evaluate_recall, finite_weights, gather_from_ranks,
                        lr_at, make_optimizer, peak_flops, peak_memory_gib, rng_states, sample_text, set_rng_states,
-                       setup_device)
+                       setup_device, training_model)
 from model import GPT
 
 EXIT_STOPPED = 130  # stopped early by SIGINT/SIGTERM, after saving a checkpoint
@@ -179,7 +179,7 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
     ddp = (DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
            if world_size > 1 else None)
     train_model = model if ddp is None else ddp
-    train_model = torch.compile(train_model) if cfg.compile else train_model
+    train_model = training_model(train_model, cfg)
 
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps
     flops_per_token = model.flops_per_token(dtype)

@@ -35,6 +35,11 @@ def clip_gradients(model: GPT, cfg: TrainConfig) -> torch.Tensor:
     return torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
 
 
+def training_model(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
+    """The module a training step calls: the model (or its DDP wrapper), compiled where cfg asks (--compile)."""
+    return torch.compile(model) if cfg.compile else model
+
+
 def train_step(model: GPT, optimizer: torch.optim.Optimizer, x, y, cfg: TrainConfig, autocast) -> None:
     """One whole training step on one batch, as the training loop takes it (for the measuring scripts)."""
     with autocast:

@@ -25,27 +25,31 @@ from lab.cli import choice_list, int_list  # noqa: E402
 from lab.config import parse_args as parse_train_args  # noqa: E402
 from lab.files import write_atomically  # noqa: E402
 from lab.steps import autocast_for, setup_device  # noqa: E402
-from lab.timing import time_ms  # noqa: E402
+from lab.timing import profile_ops, profile_table, time_ms  # noqa: E402
 from model import GPT  # noqa: E402
 from model.variants import VARIANTS  # noqa: E402
 
 
-def measure(model: GPT, context: int, batch: int, new_bytes: int, no_cache: bool, device, autocast) -> dict:
+def measure(model: GPT, context: int, batch: int, new_bytes: int, no_cache: bool, profile: bool, device,
+            autocast) -> dict:
     data = torch.randint(0, 256, (batch, context), device=device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     cache = model.new_cache()
-    position = iter(range(context - new_bytes, context))
+    steps = new_bytes * (2 if profile else 1)  # the profiled ones follow the timed ones
+    position = iter(range(context - steps, context))
     with torch.no_grad(), autocast:
-        model(data[:, :context - new_bytes], cache=cache)
+        model(data[:, :context - steps], cache=cache)
 
-        def step(_):
+        def step(_=None):
             t = next(position)
             model(data[:, t:t + 1], cache=cache)
 
-        steps = time_ms(step, 1, 0, new_bytes, device.type)
-        row = {"context": context, "batch": batch, "ms_per_byte": statistics.median(steps),
+        times = time_ms(step, 1, 0, new_bytes, device.type)
+        row = {"context": context, "batch": batch, "ms_per_byte": statistics.median(times),
                "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+        if profile:
+            row["profile"] = profile_ops(step, new_bytes, device.type)
         if no_cache:
             row["no_cache_ms_per_byte"] = statistics.median(time_ms(lambda _: model(data), 1, 1, 3, device.type))
     return row
@@ -62,14 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-cache-max", type=int, default=8192, help="time the path without the cache up to this "
                         "context (default %(default)s)")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--profile", action="store_true", help="also profile --new-bytes more steps: where a "
+                        "step's time goes, by kernel category (lab/timing.py), printed and in the rows")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
     gpu = args.device != "cpu" and torch.cuda.is_available()
     default = "softmax,cosine-sdpa,cosine-kernel,fastmax-kernel" if gpu else "softmax,cosine,fastmax"
     variants = choice_list(parser, "--variants", args.variants or default, VARIANTS)
-    bad = [t for t in args.contexts if t <= args.new_bytes]
+    least = args.new_bytes * (2 if args.profile else 1)  # the prefill takes at least one byte
+    bad = [t for t in args.contexts if t <= least]
     if args.new_bytes < 1 or bad:
-        parser.error(f"--contexts: each above --new-bytes={args.new_bytes} (>= 1), not {bad}")
+        parser.error(f"--contexts: each above {least} (--new-bytes={args.new_bytes} >= 1"
+                     f"{', twice with --profile' if args.profile else ''}), not {bad}")
     rows = []
     for name in variants:
         for context in args.contexts:
@@ -79,15 +87,18 @@ def main(argv: list[str] | None = None) -> int:
             model = GPT(cfg.model_config()).to(device).eval()
             for batch in args.batches:
                 try:
-                    row = measure(model, context, batch, args.new_bytes, context <= args.no_cache_max, device,
-                                  autocast_for(device, dtype))
+                    row = measure(model, context, batch, args.new_bytes, context <= args.no_cache_max, args.profile,
+                                  device, autocast_for(device, dtype))
                 except torch.OutOfMemoryError:
                     row = {"context": context, "batch": batch, "error": "out of memory"}
                 rows.append({"variant": name, **row})
-                print(json.dumps(rows[-1]), flush=True)
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "profile"}), flush=True)
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    profiles = {f"{r['variant']} {r['context']} b{r['batch']}": r["profile"] for r in rows if r.get("profile")}
+    if profiles:
+        print("\n".join(profile_table(profiles)))
     hardware = torch.cuda.get_device_name() if gpu else "CPU"
     result = {"command": ["python", "scripts/decode.py", *(sys.argv[1:] if argv is None else argv)],
               "hardware": hardware, "torch": torch.__version__, "config": args.config, "new_bytes": args.new_bytes,

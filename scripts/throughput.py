@@ -7,7 +7,8 @@
 
 Every variant trains the same model (train.py's config and flags after --) on the same random bytes with
 the same optimizer, clipping and autocast as train.py, so the ratios between rows are the attentions' own.
-A step holds --tokens-per-step tokens (batch = tokens_per_step / seq_len). Variants are model/variants.py's:
+A step holds --tokens-per-step tokens (batch = tokens_per_step / seq_len); `-- --compile True` compiles
+the model as train.py does. Variants are model/variants.py's:
 cosine-sdpa, cosine-sim as SDPA on l2-normalised q, k on cuDNN, is the baseline a user would build without
 our kernels. A variant that fails at a length (out of memory, or a refusal) is recorded with the reason and the rest go
 on. Timing: --warmup steps, then --steps steps between two synchronisations. Writes OUT.json and OUT.md.
@@ -27,14 +28,17 @@ import torch  # noqa: E402
 
 from lab.cli import choice_list, int_list, out_of_memory, require_positive, split_train_flags  # noqa: E402
 from lab.config import TrainConfig, parse_args  # noqa: E402
-from lab.steps import autocast_for, attention_problem, make_optimizer, peak_memory_gib, setup_device, train_step  # noqa: E402
+from lab.steps import (autocast_for, attention_problem, make_optimizer, peak_memory_gib, setup_device,  # noqa: E402
+                       train_step, training_model)
+from lab.timing import profile_ops, profile_table  # noqa: E402
 from model import GPT  # noqa: E402
 from model.variants import VARIANTS  # noqa: E402
 
 DEFAULT_VARIANTS = "softmax,softmax-cudnn,cosine-sdpa,cosine-kernel,fastmax-kernel"
 
-def measure(cfg: TrainConfig, device, dtype, warmup: int, steps: int) -> dict:
-    """tokens/s and peak memory of `steps` training steps after `warmup` ones."""
+def measure(cfg: TrainConfig, device, dtype, warmup: int, steps: int, profile: bool) -> dict:
+    """tokens/s and peak memory of `steps` training steps after `warmup` ones; with profile, also where
+    the time of as many more steps goes (lab.timing.profile_ops)."""
     autocast = autocast_for(device, dtype)
     torch.manual_seed(cfg.seed)
     if device.type == "cuda":
@@ -42,10 +46,11 @@ def measure(cfg: TrainConfig, device, dtype, warmup: int, steps: int) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     model = GPT(cfg.model_config()).to(device)
     optimizer = make_optimizer(model, cfg, device)
+    train_model = training_model(model, cfg)
     x, y = torch.randint(0, 256, (2, cfg.batch_size, cfg.seq_len), device=device)
 
     def step():
-        train_step(model, optimizer, x, y, cfg, autocast)
+        train_step(train_model, optimizer, x, y, cfg, autocast)
 
     def sync():
         if device.type == "cuda":
@@ -59,8 +64,11 @@ def measure(cfg: TrainConfig, device, dtype, warmup: int, steps: int) -> dict:
         step()
     sync()
     seconds = (time.perf_counter() - t0) / steps
-    return {"ok": True, "step_ms": 1e3 * seconds, "tokens_per_s": cfg.batch_size * cfg.seq_len / seconds,
-            "peak_mem_gib": peak_memory_gib(device)}
+    result = {"ok": True, "step_ms": 1e3 * seconds, "tokens_per_s": cfg.batch_size * cfg.seq_len / seconds,
+              "peak_mem_gib": peak_memory_gib(device)}
+    if profile:
+        result["profile"] = profile_ops(step, steps, device.type)
+    return result
 
 
 def run_one(variant: str, seq_len: int, args, extra: list[str], device, dtype) -> dict:
@@ -71,7 +79,7 @@ def run_one(variant: str, seq_len: int, args, extra: list[str], device, dtype) -
     if problem is not None:
         return {**record, "ok": False, "reason": "refused", "detail": problem}
     try:
-        return {**record, **measure(cfg, device, dtype, args.warmup, args.steps)}
+        return {**record, **measure(cfg, device, dtype, args.warmup, args.steps, args.profile)}
     except torch.OutOfMemoryError as err:
         return {**record, **out_of_memory(err)}
 
@@ -101,6 +109,11 @@ def write_report(results: list[dict], args, extra: list[str], hardware: str, out
             ratio = f" ({r['tokens_per_s'] / b['tokens_per_s']:.2f}x)" if b and b["ok"] else ""
             row.append(f"{r['tokens_per_s'] / 1e3:.0f}k{ratio}, {r['peak_mem_gib']:.1f}")
         lines.append(f"| {v} | " + " | ".join(row) + " |")
+    profiles = {f"{r['variant']} {r['seq_len']}": r["profile"] for r in results if r.get("profile")}
+    if profiles:
+        lines += ["", f"Where a step's time goes ({args.steps} profiled steps after the timed ones; GPU kernels' "
+                  "time by kernel name, lab/timing.py's categories; wall time includes launch and Python "
+                  "overhead):", "", *profile_table(profiles)]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -116,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--profile", action="store_true", help="also profile --steps more steps: time per "
+                        "kernel category (issue 37's breakdown), in OUT.md and OUT.json")
     parser.add_argument("--out", default=str(ROOT / "bench" / "throughput"), help="writes OUT.json and OUT.md")
     args = parser.parse_args(ours)
     variants = choice_list(parser, "--variants", args.variants, VARIANTS)

@@ -41,3 +41,36 @@ def test_throughput_bad_arguments_are_usage_errors(capsys, args, expected):
     with pytest.raises(SystemExit) as e:
         throughput.main(args)
     assert e.value.code == 2 and expected in capsys.readouterr().err
+
+
+def test_profile_says_where_a_training_step_goes(tmp_path):
+    """--profile adds, per variant and length, the step's time by category (on a CPU the ops' own time): the
+    categories add up to the whole, the model's matmuls are among them, and the report has the table."""
+    out = tmp_path / "tp"
+    assert throughput.main([*TINY, "--seq-lens", "32", "--variants", "softmax,fastmax", "--profile", "--out", str(out),
+                            "--", *TINY_MODEL]) == 0
+    for r in json.loads(out.with_suffix(".json").read_text())["results"]:
+        profile = r["profile"]
+        assert profile["categories"]["matmul"] > 0 and profile["wall_ms"] > 0
+        assert sum(profile["categories"].values()) == pytest.approx(profile["busy_ms"])
+        assert profile["top"][0]["ms"] >= profile["top"][-1]["ms"]
+    table = out.with_suffix(".md").read_text()
+    assert "| ms per step (share) | softmax 32 | fastmax 32 |" in table and "| matmul | " in table
+
+
+def test_decode_benchmark_times_and_profiles_a_step(tmp_path):
+    """scripts/decode.py on a CPU: a row per variant, context and batch with the step's cost, the path without
+    the cache beside it, and with --profile where the step's time goes."""
+    spec = importlib.util.spec_from_file_location("decode", REPO / "scripts" / "decode.py")
+    decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(decode)
+    out = tmp_path / "decode.json"
+    assert decode.main(["--config", "configs/tiny_cpu", "--contexts", "40", "--batches", "1,2", "--new-bytes", "4",
+                        "--device", "cpu", "--profile", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r["batch"]) for r in rows] == [(v, b) for v in ("softmax", "cosine", "fastmax") for b in (1, 2)]
+    for r in rows:
+        assert r["ms_per_byte"] > 0 and r["no_cache_ms_per_byte"] > 0 and r["profile"]["busy_ms"] > 0
+    with pytest.raises(SystemExit):
+        decode.main(["--config", "configs/tiny_cpu", "--contexts", "8", "--new-bytes", "4", "--device", "cpu",
+                     "--profile"])
