@@ -86,6 +86,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     add("--data-path", default=None, help="a local enwik8 copy (default: the verified download)")
     add("--device", default="auto", help="auto: every visible GPU (the study needs them); cpu: a smoke run")
     add("--gpus", type=index_list, default=None, help="GPU indices to use (default: all visible)")
+    add("--runs-per-gpu", type=int, default=3, help="sweep and recall runs sharing a GPU at once (their timings are "
+        "not reported; a grid run has its GPU alone) (default %(default)s)")
     add("--wandb-mode", default="auto", choices=WANDB_MODES)
     add("--name", default="study", help="the study's name: its wandb group and its runs' folder (default %(default)s)")
     add("--runs-dir", default="out", help="runs go to RUNS_DIR/NAME/ (default %(default)s)")
@@ -95,7 +97,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args = parser.parse_args(ours)
     args.variants = choice_list(parser, "--variants", args.variants, VARIANTS)
     require_positive(parser, args, ("steps", "tokens_per_step", "sweep_steps", "evals", "eval_tokens",
-                                    "recall_steps", "time_limit"))
+                                    "recall_steps", "time_limit", "runs_per_gpu"))
     bad = [t for t in args.seq_lens + args.recall_seq_lens if t > args.tokens_per_step]
     if bad:
         parser.error(f"--seq-lens: each at most --tokens-per-step={args.tokens_per_step} (batch = tokens per step / "
@@ -139,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     workers = devices(args)
     hardware = (f"{len(workers)} x {torch.cuda.get_device_name(0)}" if workers[0] is not None else "CPU")
-    runner = Runner(runs_dir, workers, time.monotonic() + args.time_limit)
+    runner = Runner(runs_dir, workers, time.monotonic() + args.time_limit,
+                    per_device=args.runs_per_gpu if workers[0] is not None else 1)
     jobs = sweep_jobs(p, str(runs_dir))
     try:
         done = runner.run(jobs)

@@ -64,6 +64,12 @@ class Job:
         """Grid runs are evaluated again at twice their context."""
         return self.phase == "grid"
 
+    @property
+    def exclusive(self) -> bool:
+        """Grid runs have their GPU alone: the report quotes their tokens/s. The sweep's and the recall
+        probe's runs report only what they learned, so they may share one."""
+        return self.phase == "grid"
+
 
 def train_argv(p: Protocol, phase: str, variant: str, seq_len: int, seed: int, lr: float, steps: int,
                out_dir: str, name: str, pairs: int | None = None) -> tuple[str, ...]:

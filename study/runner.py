@@ -1,4 +1,8 @@
-"""Running the study's jobs: one train.py per GPU at a time from a shared queue (in turn on a CPU), resumable.
+"""Running the study's jobs: train.py runs on every GPU from a shared queue (in turn on a CPU), resumable.
+
+A grid run has its GPU alone; sweep and recall runs, whose timings the report does not use, share each GPU
+``per_device`` at a time (the study's small models leave most of one idle). Consecutive jobs of one kind
+run as one batch; the next batch starts when it is done.
 
 Each job is ``python train.py ...`` in a subprocess of its own, pinned to one GPU by CUDA_VISIBLE_DEVICES,
 with ``--resume auto``: a job a killed study left half done continues from its checkpoint. A job ends in
@@ -9,6 +13,7 @@ ones start: a later call goes on from there.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import queue
@@ -62,10 +67,12 @@ class StudyError(Exception):
 
 
 class Runner:
-    """Runs jobs on workers (one per device) until the queue is empty or the deadline passes."""
+    """Runs jobs on workers (one per device for exclusive jobs, per_device per device for the others) until
+    the queue is empty or the deadline passes."""
 
-    def __init__(self, runs_dir: Path, devices: list[str | None], deadline: float, log=print):
+    def __init__(self, runs_dir: Path, devices: list[str | None], deadline: float, log=print, per_device: int = 1):
         self.runs_dir, self.devices, self.deadline, self.log = runs_dir, devices, deadline, log
+        self.per_device = per_device
         self.lock = threading.Lock()
 
     def run_dir(self, job: Job) -> Path:
@@ -87,14 +94,16 @@ class Runner:
     def run(self, jobs: list[Job]) -> bool:
         """Run the pending jobs; True when every job of the list has an ok result."""
         self.check_foreign(jobs)
-        todo = queue.Queue()
-        for job in self.pending(jobs):
-            todo.put(job)
-        workers = [threading.Thread(target=self._work, args=(todo, device), daemon=True) for device in self.devices]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
+        for exclusive, batch in itertools.groupby(self.pending(jobs), key=lambda j: j.exclusive):
+            todo = queue.Queue()
+            for job in batch:
+                todo.put(job)
+            workers = [threading.Thread(target=self._work, args=(todo, device), daemon=True)
+                       for device in self.devices for _ in range(1 if exclusive else self.per_device)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
         return not self.pending(jobs)
 
     def _work(self, todo: queue.Queue, device: str | None) -> None:

@@ -115,6 +115,38 @@ def test_the_queue_resumes_a_killed_run_skips_done_ones_and_retries_failures(tmp
         runner.run([longer])
 
 
+def test_grid_runs_have_their_gpu_alone_while_sweep_and_recall_runs_share_it(tmp_path, monkeypatch):
+    """Runs whose timings the report quotes (the grid) never overlap another on their GPU; the others run
+    up to per_device at once on each; consecutive runs of one kind go as one batch, in the queue's order."""
+    import threading
+    import time
+    spans, lock = [], threading.Lock()
+
+    def execute(self, job, device):
+        start = time.monotonic()
+        time.sleep(0.2)
+        with lock:
+            spans.append((job, device, start, time.monotonic()))
+        self.run_dir(job).mkdir(parents=True, exist_ok=True)
+        return {"name": job.name, "command": ["python", "train.py", *job.argv], "status": "ok"}
+
+    monkeypatch.setattr(Runner, "_execute", execute)
+    p = protocol(recall_seq_lens=(16,), recall_pairs=(2,))
+    jobs = after_sweep(p, str(tmp_path), {"softmax": 2e-3, "cosine": 1e-3})
+    runner = Runner(tmp_path, ["0", "1"], deadline=math.inf, log=lambda *_: None, per_device=3)
+    assert runner.run(jobs)
+    assert sorted(j.name for j, *_ in spans) == sorted(j.name for j in jobs)
+
+    def overlapping(a, b):
+        return a[1] == b[1] and a[2] < b[3] and b[2] < a[3] and a is not b
+
+    assert not any(overlapping(a, b) for a in spans if a[0].exclusive for b in spans)
+    shared = [a for a in spans if not a[0].exclusive]
+    assert max(sum(overlapping(a, b) for b in shared) for a in shared) == 2  # three at once on a GPU
+    first_recall = min(s for j, _, s, _ in spans if j.phase == "recall")
+    assert all(end <= first_recall for j, _, _, end in spans if j.phase == "grid" and j.seed == 1)
+
+
 def test_past_the_deadline_no_run_starts_and_the_report_says_what_is_missing(tmp_path, data_path):
     assert compare.main(tiny_study(tmp_path, data_path, "--time-limit", "1e-9")) == 1
     md = (tmp_path / "report" / "report.md").read_text()
