@@ -7,8 +7,8 @@ with several seeds on one budget, and a report of what that shows (make compare)
     python compare.py --device cpu --config configs/tiny_cpu --variants softmax,cosine --seq-lens 32,64 \\
         --seeds 1,2 --steps 20 --tokens-per-step 256 --lrs 2e-3 --recall-seq-lens "" -- --n_layer 1   # CPU smoke
 
-Every run is `python train.py` (study/jobs.py writes its flags), one per GPU at a time from a shared queue
-(study/runner.py): first a learning-rate sweep at the shortest context, then every variant x context x seed
+Every run is `python train.py` (study/jobs.py writes its flags), from a shared queue over the GPUs
+(study/runner.py; a grid run has its GPU alone, sweep and recall runs share one --runs-per-gpu at a time): first a learning-rate sweep at the shortest context, then every variant x context x seed
 at the rate its sweep chose (each evaluated again at twice its context), then the associative-recall probe.
 A run with a result is not run again, so the same command after a stop (--time-limit, a crash, a killed
 machine) goes on where it was. The report (study/report.py) goes to --out: report.md, PNG plots and
