@@ -20,16 +20,21 @@ def attention(q, k, v, mask, bias, causal: bool, policy: ScorePolicy, dtype: tor
     bias None or (B, H, I, J) (an expanded view is fine; another dtype is cast to dtype).
     """
     q, k, v = (t.to(dtype) for t in (q, k, v))
-    if mask is not None:
-        # Padded slots may hold garbage, and the tensor cores multiply a masked key's zero weight into its
-        # K and V rows (0 * NaN = NaN): zeroed rows keep it out of every product, forward and backward.
-        # A copy of k and v, paid only by calls with a mask.
-        keep = mask[:, None, :, None]
-        k, v = torch.where(keep, k, 0), torch.where(keep, v, 0)
+    k, v = _zero_masked(k, v, mask)
     if bias is not None:
         bias = bias.to(dtype)
     return _Attention.apply(q, k, v, mask, bias, causal, policy.kind, policy.scale, policy.qk_norm,
                             policy.coef, policy.normalize_rows)
+
+
+def _zero_masked(k, v, mask):
+    """k, v with the rows the mask hides zeroed. Padded slots may hold garbage, and the tensor cores multiply
+    a masked key's zero weight into its K and V rows (0 * NaN = NaN): zeroed rows keep it out of every
+    product, forward and backward. A copy of k and v, paid only by calls with a mask."""
+    if mask is None:
+        return k, v
+    keep = mask[:, None, :, None]
+    return torch.where(keep, k, 0), torch.where(keep, v, 0)
 
 
 class _Attention(torch.autograd.Function):
@@ -51,10 +56,10 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, None, dbias if bias_grad else None, *([None] * 6)
 
 
-def split_keys(q, k, v, policy: ScorePolicy, dtype: torch.dtype, splits: int) -> torch.Tensor:
+def split_keys(q, k, v, mask, policy: ScorePolicy, dtype: torch.dtype, splits: int) -> torch.Tensor:
     """The forward alone (no autograd) over about ``splits`` parts of the keys, merged: flash-decoding, for
     calls whose query blocks alone would leave most SMs idle (plan.key_splits). Same contract as
-    ``attention`` without mask, bias or causal; every query sees every key.
+    ``attention`` without bias or causal: every query sees every key the mask keeps.
 
     For each batch row the parts of ``size`` keys are one call, folded into the batch as strided views
     (no copy), and the remainder another. A part's output is normalised by its own weight sum l_s; the
@@ -64,6 +69,7 @@ def split_keys(q, k, v, policy: ScorePolicy, dtype: torch.dtype, splits: int) ->
     """
     ops = torch.ops.attn_cuda
     q, k, v = (t.to(dtype) for t in (q, k, v))
+    k, v = _zero_masked(k, v, mask)
     b, h, i, d = q.shape
     j = k.shape[2]
     size = -(-j // (splits * 128)) * 128  # whole key tiles
@@ -73,17 +79,27 @@ def split_keys(q, k, v, policy: ScorePolicy, dtype: torch.dtype, splits: int) ->
     rows = []
     for n in range(b):
         parts = [(full, k[n, :, :full * size].unflatten(1, (full, size)).transpose(0, 1),
-                  v[n, :, :full * size].unflatten(1, (full, size)).transpose(0, 1))]
+                  v[n, :, :full * size].unflatten(1, (full, size)).transpose(0, 1),
+                  None if mask is None else mask[n, :full * size].view(full, size))]
         if full * size < j:
-            parts.append((1, k[n:n + 1, :, full * size:], v[n:n + 1, :, full * size:]))
-        outs, stats = zip(*(ops.fwd(q[n:n + 1].expand(count, h, i, d), kp, vp, None, None, *options)[:2]
-                            for count, kp, vp in parts))
+            parts.append((1, k[n:n + 1, :, full * size:], v[n:n + 1, :, full * size:],
+                          None if mask is None else mask[n:n + 1, full * size:]))
+        outs, stats = zip(*(ops.fwd(q[n:n + 1].expand(count, h, i, d), kp, vp, mp, None, *options)[:2]
+                            for count, kp, vp, mp in parts))
         out, stat = torch.cat(outs).float(), torch.cat(stats)[..., :i]
         if not policy.normalize_rows:
             rows.append(out.sum(0))
             continue
-        weight = torch.exp2(stat - stat.amax(0)) if log else torch.where(stat > 0, stat.reciprocal(), 0)
-        rows.append((out * weight[..., None]).sum(0) / weight.sum(0)[..., None])
+        # A part whose keys the mask hides all has l = 0: stat 1 / l = 0 under the fixed shift, inf (for
+        # log2 0 = -inf) under the running max; either way it weighs nothing.
+        # A row no part lets see a key is zeros, as the kernels give it.
+        if log:
+            stat = torch.where(torch.isinf(stat), float("-inf"), stat)
+            weight = torch.exp2(stat - stat.amax(0).clamp_min(torch.finfo(torch.float32).min))
+        else:
+            weight = torch.where(stat > 0, stat.reciprocal(), 0)
+        total = weight.sum(0)[..., None]
+        rows.append(torch.where(total > 0, (out * weight[..., None]).sum(0) / total, 0))
     return torch.stack(rows).to(dtype)
 
 

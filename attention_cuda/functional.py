@@ -115,7 +115,7 @@ def plan(family: str, *, device, dtype: torch.dtype, head_dim: int, keys: int, b
 def _plan(call: _Call, causal: bool, policy: ScorePolicy, backend: str, form: str = "quadratic",
           dropout: float = 0.0, tuning: Tuning | None = None) -> Plan:
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v))
-    splittable = None if causal or needs_grad or call.mask is not None or call.bias is not None else (
+    splittable = None if causal or needs_grad or call.bias is not None else (
         call.q.shape[0] * call.q.shape[1], call.q.shape[2])
     return resolve(device=call.q.device, dtype=call.q.dtype, head_dim=call.q.shape[-1], keys=call.k.shape[2],
                    policy=policy, backend=backend, form=form, dropout=dropout, tuning=tuning, splittable=splittable)
@@ -128,7 +128,7 @@ def _run(plan: Plan, call: _Call, causal: bool, policy: ScorePolicy, dropout: fl
         out = _kernels.linear_attention(q, k, v, mask, causal, policy, plan.run_dtype, plan.chunk,
                                         plan.path == "chunked")
     elif plan.path == "split":
-        out = _kernels.split_keys(q, k, v, policy, plan.run_dtype, plan.splits)
+        out = _kernels.split_keys(q, k, v, mask, policy, plan.run_dtype, plan.splits)
     elif plan.backend == "cuda":
         out = _kernels.attention(q, k, v, mask, call.bias, causal, policy, plan.run_dtype)
     elif plan.form == "linear":

@@ -162,8 +162,8 @@ def resolve(*, device: torch.device, dtype: torch.dtype, head_dim: int, keys: in
     backend="cuda" must run on the kernels or raise NotImplementedError saying why; "auto" takes them
     when they can. form="auto" (fastmax) takes the linear form from linear_from_keys's key count. The
     policy's logits and weights are checked against the dtype the plan computes them in (ValueError).
-    ``splittable``: (batch x heads, query rows) of a call whose keys may be split (forward only, every
-    query over every key, no mask or bias); None: they may not.
+    ``splittable``: (batch x heads, query rows) of a call whose keys may be split (forward only, not
+    causal, no bias); None: they may not.
     """
     tuning = tuning or TUNING
     if backend not in BACKENDS:

@@ -1,4 +1,4 @@
 """The byte-level GPT and its switchable attention."""
-from model.gpt import ATTENTIONS, GPT, VOCAB_SIZE, GPTConfig
+from model.gpt import ATTENTIONS, GPT, VOCAB_SIZE, CapturedStep, GPTConfig
 
-__all__ = ["ATTENTIONS", "GPT", "GPTConfig", "VOCAB_SIZE"]
+__all__ = ["ATTENTIONS", "CapturedStep", "GPT", "GPTConfig", "VOCAB_SIZE"]

@@ -51,13 +51,15 @@ def score_options(cfg) -> dict:
 
 
 def sdpa_attention(q, k, v, *, backend: str, causal: bool = True, scale: float | None = None,
-                   normalize: bool = False):
+                   normalize: bool = False, mask: torch.Tensor | None = None):
     """SDPA on one backend ("auto": PyTorch's pick); with normalize, on l2-normalised q and k, which is
-    cosine-sim attention (softmax(scale l2norm(q) l2norm(k)^T) v) on PyTorch's kernels."""
+    cosine-sim attention (softmax(scale l2norm(q) l2norm(k)^T) v) on PyTorch's kernels. mask: bool (B, J),
+    True = keep, as attention_cuda's functions take it."""
     if normalize:
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     with contextlib.nullcontext() if backend == "auto" else sdpa_kernel(getattr(SDPBackend, SDPA_NAMES[backend])):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                              attn_mask=None if mask is None else mask[:, None, None, :],
                                               enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -113,28 +115,32 @@ class KVCache:
     A ring: position p lives in slot p % capacity. A decode step's single query weighs every cached key
     by its own score and sums, in whatever order the slots hold them, so the ring is never shifted; RoPE
     rotated each key at its absolute position, and q.k depends only on the distance between them.
-    With unit_rows (cosine) the keys are stored l2-normalised and each query is normalised as it reads
-    (attend_all takes unit rows): a step then streams the cache once, as SDPA's decode does, rather than
-    normalising every cached key again.
+    A step reads every slot, those not yet written hidden by a key mask, and takes its position from a
+    device tensor: it launches the same work at every position, which a CUDA graph can replay (gpt-fast's
+    static cache). With unit_rows (cosine) the keys are stored l2-normalised and each query is normalised
+    as it reads (attend_all takes unit rows): a step streams the cache once, as SDPA's decode does, rather
+    than normalising every cached key again.
     """
 
     def __init__(self, capacity: int, attend_all, unit_rows: bool = False):
-        self.capacity, self.filled, self.attend_all, self.unit_rows = capacity, 0, attend_all, unit_rows
+        self.capacity, self.attend_all, self.unit_rows = capacity, attend_all, unit_rows
         self.k = self.v = None
 
-    def add(self, k: torch.Tensor, v: torch.Tensor, pos: int) -> None:
-        """Store k, v (B, Hkv, t, D) of positions pos .. pos + t - 1."""
+    def add(self, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor) -> None:
+        """Store k, v (B, Hkv, t, D) of positions position .. position + t - 1 (position: (1,) on the device)."""
         if self.unit_rows:
             k = unit(k)
-        if self.k is None:
-            self.k, self.v = (x.new_empty(*x.shape[:2], self.capacity, x.shape[-1]) for x in (k, v))
-        slots = torch.arange(pos, pos + k.shape[2], device=k.device) % self.capacity
-        self.k[:, :, slots], self.v[:, :, slots] = k, v
-        self.filled = min(self.filled + k.shape[2], self.capacity)
+        if self.k is None:  # zeros, not garbage, behind the mask (kept out of every product either way)
+            self.k, self.v = (x.new_zeros(*x.shape[:2], self.capacity, x.shape[-1]) for x in (k, v))
+        slots = (position + torch.arange(k.shape[2], device=k.device)) % self.capacity
+        self.k.index_copy_(2, slots, k.to(self.k.dtype))
+        self.v.index_copy_(2, slots, v.to(self.v.dtype))
 
-    def read(self, q: torch.Tensor) -> torch.Tensor:
-        """Every query of q over every cached position."""
-        return self.attend_all(unit(q) if self.unit_rows else q, self.k[:, :, :self.filled], self.v[:, :, :self.filled])
+    def read(self, q: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """q (B, H, 1, D), the query at position, over every cached position up to it."""
+        written = torch.arange(self.capacity, device=q.device) <= position  # all of them once it wraps
+        keep = written.expand(q.shape[0], self.capacity)
+        return self.attend_all(unit(q) if self.unit_rows else q, self.k, self.v, mask=keep)
 
 
 def unit(x: torch.Tensor) -> torch.Tensor:
@@ -145,16 +151,20 @@ def unit(x: torch.Tensor) -> torch.Tensor:
 class MomentsCache:
     """A fastmax layer's decoding state: the fp32 moments of every key so far (fastmax_moments), of one
     size whatever the context, so a step costs the same at any length. Past seq_len it keeps every
-    position, a longer context than the model trained on: a window would need the keys leaving it."""
+    position, a longer context than the model trained on: a window would need the keys leaving it.
+    A step adds to the state in place (a CUDA graph replays it on the same memory)."""
 
     def __init__(self, options: dict):
         self.options, self.state = options, None
 
-    def add(self, k: torch.Tensor, v: torch.Tensor, pos: int) -> None:
+    def add(self, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor) -> None:
         state = fastmax_moments(k, v, **self.options)
-        self.state = state if self.state is None else self.state + state
+        if self.state is None:
+            self.state = state
+        else:
+            self.state += state
 
-    def read(self, q: torch.Tensor) -> torch.Tensor:
+    def read(self, q: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         return fastmax_read(q, self.state, **self.options)
 
 
@@ -182,9 +192,10 @@ class CausalSelfAttention(nn.Module):
         # should be regularised alike for a fair comparison.
         self.attend = attention_fn(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, pos: int = 0) -> torch.Tensor:
-        """x (B, T, C) at positions pos .. pos + T - 1 (cos, sin: their RoPE rows); with a cache
-        (decode_cache's), these positions join it and a decode step (T = 1) reads it."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
+                position: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, C) (cos, sin: its RoPE rows); with a cache (decode_cache's), x's positions, from position
+        ((1,) on the device) on, join it, and a decode step (T = 1) reads it."""
         b, t, _ = x.shape
         q, k, v = self.qkv(x).split(self.split, dim=-1)
         q = q.view(b, t, self.n_head, self.head_dim).transpose(1, 2)
@@ -192,8 +203,8 @@ class CausalSelfAttention(nn.Module):
         v = v.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            cache.add(k, v, pos)
+            cache.add(k, v, position)
         # A prefill attends causally among its own positions; a decode step's one query reads the cache.
-        y = self.attend(q, k, v) if cache is None or t > 1 else cache.read(q)
+        y = self.attend(q, k, v) if cache is None or t > 1 else cache.read(q, position)
         y = y.transpose(1, 2).reshape(b, t, -1)
         return self.resid_dropout(self.proj(y))

@@ -162,10 +162,14 @@ class ConvCache:
         self.past = None
 
     def extend(self, h: torch.Tensor, width: int) -> torch.Tensor:
-        """h (B, C, T) with the width cached inputs before it; keeps the last width for the next call."""
+        """h (B, C, T) with the width cached inputs before it; keeps the last width for the next call, in
+        the same memory after the first (a CUDA graph replays a step on it)."""
         past = h.new_zeros(*h.shape[:2], width) if self.past is None else self.past
         h = torch.cat([past, h], dim=-1)
-        self.past = h[..., h.shape[-1] - width:]
+        if self.past is None:
+            self.past = h[..., h.shape[-1] - width:].clone()
+        else:
+            self.past.copy_(h[..., h.shape[-1] - width:])
         return h
 
 
@@ -179,10 +183,10 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None,
-                pos: int = 0) -> torch.Tensor:
+                position: torch.Tensor | None = None) -> torch.Tensor:
         if self.conv is not None:
             x = x + self.conv(x, None if cache is None else cache.conv)
-        x = x + self.attn(self.attn_norm(x), cos, sin, None if cache is None else cache.attn, pos)
+        x = x + self.attn(self.attn_norm(x), cos, sin, None if cache is None else cache.attn, position)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -195,11 +199,29 @@ class LayerCache:
 class DecodeCache:
     """What decoding keeps between steps (GPT.new_cache): per block its attention's cache (softmax and
     cosine: the keys and values of the last seq_len positions; fastmax: the moments of every key) and its
-    short convolution's inputs, and the position of the next byte."""
+    short convolution's inputs; the position of the next byte, on the host (pos, for checks) and on the
+    device (position, which a step reads, so that it launches the same work at every position); and the
+    RoPE rows of the positions it takes, 0 .. positions - 1."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, positions: int):
+        if positions < 1:
+            raise ValueError(f"positions: expected >= 1 (the prompt's bytes plus those to generate), got {positions}")
         self.layers = [LayerCache(decode_cache(cfg), ConvCache()) for _ in range(cfg.n_layer)]
-        self.pos = 0
+        self.pos, self.positions = 0, positions
+        self.rope = rope_tables(positions, cfg.head_dim, cfg.rope_base)
+        self.position = torch.zeros(1, dtype=torch.long)
+
+    def to(self, device: torch.device) -> DecodeCache:
+        self.rope, self.position = tuple(x.to(device) for x in self.rope), self.position.to(device)
+        return self
+
+    def check_room(self, t: int) -> None:
+        """Refuse t more bytes where the cache has no room for them (ValueError)."""
+        if self.pos > 0 and t != 1:
+            raise ValueError(f"idx: after the prefill a cache takes one byte per call, got {t}")
+        if self.pos + t > self.positions:
+            raise ValueError(f"idx: position {self.pos + t - 1} is past the cache's {self.positions} positions "
+                             "(new_cache(positions))")
 
 
 class GPT(nn.Module):
@@ -236,8 +258,9 @@ class GPT(nn.Module):
         2·N, backward 4·N) plus attention."""
         return 6 * self.num_params() + attention_flops_per_token(self.cfg, self.wte.weight.device, dtype)
 
-    def new_cache(self) -> DecodeCache:
-        return DecodeCache(self.cfg)
+    def new_cache(self, positions: int | None = None) -> DecodeCache:
+        """An empty decoding cache for up to ``positions`` bytes, prompt and generated (default seq_len)."""
+        return DecodeCache(self.cfg, self.cfg.seq_len if positions is None else positions).to(self.wte.weight.device)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean",
                 cache: DecodeCache | None = None):
@@ -251,19 +274,22 @@ class GPT(nn.Module):
         pos = 0 if cache is None else cache.pos
         if t > self.cfg.seq_len:
             raise ValueError(f"idx: sequence length {t} exceeds the model's seq_len={self.cfg.seq_len}")
-        if cache is not None and pos > 0 and t != 1:
-            raise ValueError(f"idx: after the prefill a cache takes one byte per call, got {t}")
+        if cache is not None:
+            cache.check_room(t)
         if reduction not in ("mean", "none"):
             raise ValueError(f"reduction: expected 'mean' or 'none', got {reduction!r}")
-        if pos + t <= self.cfg.seq_len:
-            cos, sin = self.rope_cos[pos:pos + t], self.rope_sin[pos:pos + t]
-        else:  # past the tables: the rows of these positions
-            cos, sin = (x.to(idx.device) for x in rope_tables(t, self.cfg.head_dim, self.cfg.rope_base, start=pos))
+        if cache is None:
+            cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        elif pos == 0:  # the prefill
+            cos, sin = (x[:t] for x in cache.rope)
+        else:  # a step: its row by the device position, the same launch at every position
+            cos, sin = (x.index_select(0, cache.position) for x in cache.rope)
         x = self.drop(self.wte(idx))
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, None if cache is None else cache.layers[i], pos)
+            x = block(x, cos, sin, *((None, None) if cache is None else (cache.layers[i], cache.position)))
         if cache is not None:
             cache.pos += t
+            cache.position += t
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits, None
@@ -287,8 +313,8 @@ class GPT(nn.Module):
             raise ValueError(f"idx: expected (batch, at least one byte), got shape {tuple(idx.shape)}")
 
         def draw(idx):
-            cache = self.new_cache() if use_cache else None
             inputs = idx[:, -self.cfg.seq_len:]
+            cache = self.new_cache(inputs.shape[1] + max_new_tokens) if use_cache else None
             for _ in range(max_new_tokens):
                 with torch.no_grad():
                     logits, _ = self(inputs, cache=cache)
@@ -304,6 +330,31 @@ class GPT(nn.Module):
         """idx (B, T) with max_new_tokens sampled bytes appended (stream's, all at once)."""
         new = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache))
         return torch.cat([idx, *new], dim=1)
+
+
+class CapturedStep:
+    """A decode step recorded once as a CUDA graph and replayed, as gpt-fast does: a step is a few hundred
+    small kernels, and launching them one by one costs more than running them at batch 1
+    (bench/notes/run-34.md). A cache's step launches the same work at every position (DecodeCache), so
+    one recording serves every later step. Record it after the prefill and an eager step or two, which
+    load what the step calls (capture cannot); each call is then one step, like model(idx, cache=cache),
+    returning logits in a buffer the next call overwrites. CUDA only."""
+
+    def __init__(self, model: GPT, cache: DecodeCache, batch: int):
+        self.cache = cache
+        self.idx = torch.zeros(batch, 1, dtype=torch.long, device=cache.position.device)
+        self.graph = torch.cuda.CUDAGraph()
+        pos = cache.pos
+        with torch.cuda.graph(self.graph):
+            self.logits, _ = model(self.idx, cache=cache)
+        cache.pos = pos  # recording ran the step's Python (its host bookkeeping too), not its kernels
+
+    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
+        self.cache.check_room(1)
+        self.idx.copy_(idx)
+        self.graph.replay()
+        self.cache.pos += 1
+        return self.logits
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:

@@ -6,8 +6,9 @@
 For each attention variant, context T and batch B: the model (the config's, at seq_len T, random weights:
 the cost does not depend on them) takes a prefill of T - new_bytes bytes, then new_bytes decode steps,
 each timed on its own; a step's cost is their median, so at the last steps it attends to nearly T
-positions. The path without the cache runs the model over a whole window of T bytes for one byte (timed
-for contexts up to --no-cache-max). Peak memory is the most the GPU held over the prefill and the steps.
+positions. On a GPU as many more steps replay one recorded as a CUDA graph (model.CapturedStep:
+graph_ms_per_byte). The path without the cache runs the model over a whole window of T bytes for one byte
+(timed for contexts up to --no-cache-max). Peak memory is the most the GPU held over the prefill and the steps.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from lab.config import parse_args as parse_train_args  # noqa: E402
 from lab.files import write_atomically  # noqa: E402
 from lab.steps import autocast_for, setup_device  # noqa: E402
 from lab.timing import profile_ops, profile_table, time_ms  # noqa: E402
-from model import GPT  # noqa: E402
+from model import GPT, CapturedStep  # noqa: E402
 from model.variants import VARIANTS  # noqa: E402
 
 
@@ -36,20 +37,26 @@ def measure(model: GPT, context: int, batch: int, new_bytes: int, no_cache: bool
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     cache = model.new_cache()
-    steps = new_bytes * (2 if profile else 1)  # the profiled ones follow the timed ones
+    graph = device.type == "cuda"
+    # After the prefill: the timed eager steps, the profiled ones, then (on a GPU) the graph's.
+    steps = new_bytes * (1 + profile + graph)
     position = iter(range(context - steps, context))
     with torch.no_grad(), autocast:
         model(data[:, :context - steps], cache=cache)
 
-        def step(_=None):
+        def step(_=None, run=model):
             t = next(position)
-            model(data[:, t:t + 1], cache=cache)
+            run(data[:, t:t + 1], cache=cache)
 
         times = time_ms(step, 1, 0, new_bytes, device.type)
-        row = {"context": context, "batch": batch, "ms_per_byte": statistics.median(times),
-               "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+        row = {"context": context, "batch": batch, "ms_per_byte": statistics.median(times)}
         if profile:
             row["profile"] = profile_ops(step, new_bytes, device.type)
+        if graph:
+            captured = CapturedStep(model, cache, batch)
+            row["graph_ms_per_byte"] = statistics.median(
+                time_ms(lambda _: step(run=lambda idx, cache: captured(idx)), 1, 0, new_bytes, device.type))
+        row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         if no_cache:
             row["no_cache_ms_per_byte"] = statistics.median(time_ms(lambda _: model(data), 1, 1, 3, device.type))
     return row
@@ -73,11 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     gpu = args.device != "cpu" and torch.cuda.is_available()
     default = "softmax,cosine-sdpa,cosine-kernel,fastmax-kernel" if gpu else "softmax,cosine,fastmax"
     variants = choice_list(parser, "--variants", args.variants or default, VARIANTS)
-    least = args.new_bytes * (2 if args.profile else 1)  # the prefill takes at least one byte
+    least = args.new_bytes * (2 + args.profile)  # the prefill takes at least one byte; (GPU) the graph's steps
     bad = [t for t in args.contexts if t <= least]
     if args.new_bytes < 1 or bad:
-        parser.error(f"--contexts: each above {least} (--new-bytes={args.new_bytes} >= 1"
-                     f"{', twice with --profile' if args.profile else ''}), not {bad}")
+        parser.error(f"--contexts: each above {least} (--new-bytes={args.new_bytes} >= 1, times 2 for the eager "
+                     f"and the graph's steps{', 3 with --profile' if args.profile else ''}), not {bad}")
     rows = []
     for name in variants:
         for context in args.contexts:

@@ -188,19 +188,26 @@ def test_cosine_scales_past_the_no_max_bound(dtype, scale):
 def test_forward_over_split_keys_matches_float64(monkeypatch, dtype, family):
     """A forward-only call with few query rows and many keys runs split over the keys (plan path "split"),
     the parts merged by their row statistics: one batch row (parts folded into the batch, and a remainder),
-    several batch rows with grouped heads, one and a few queries; the fixed shift (cosine), the running max
+    several batch rows with grouped heads, one and a few queries, a key mask as a decode cache has (parts
+    it hides whole, a row that sees nothing, garbage behind it); the fixed shift (cosine), the running max
     (pre-normalised cosine) and unnormalised rows (exp) all merge."""
     import attention_cuda.functional as functional
     plans, run = [], functional._run
     monkeypatch.setattr(functional, "_run", lambda plan, *a, **kw: plans.append(plan) or run(plan, *a, **kw))
     call = FAMILIES[family][0]
     problems = []
-    for n, shape in enumerate([(1, 8, 8, 1, 20000), (3, 4, 2, 3, 5000), (1, 2, 1, 1, 1100)]):
-        leaves, _, _ = make_case(shape, 64, family, "none", seed=n)
+    for n, (shape, flag) in enumerate([((1, 8, 8, 1, 20000), "none"), ((3, 4, 2, 3, 5000), "none"),
+                                       ((1, 2, 1, 1, 1100), "none"), ((3, 4, 2, 1, 5000), "mask")]):
+        leaves, kw, _ = make_case(shape, 64, family, flag, seed=n)
+        if flag == "mask":  # a decode cache's: a prefix of each row (the last row sees none), garbage past it
+            kw["mask"] = torch.arange(shape[-1], device="cuda") < torch.tensor([4321, 700, 0], device="cuda")[:, None]
+            for t in leaves[1:3]:
+                t.masked_fill_(~kw["mask"][:, None, :, None], float("nan"))
         with torch.no_grad():
-            ref, torch_dt = (call(*(t.to(dt) for t in leaves), backend="torch") for dt in (torch.float64, dtype))
+            ref, torch_dt = (call(*(t.to(dt) for t in leaves), backend="torch", **kw)
+                             for dt in (torch.float64, dtype))
             poison_allocator()
-            kernel = call(*(t.to(dtype) for t in leaves), backend="cuda")
+            kernel = call(*(t.to(dtype) for t in leaves), backend="cuda", **kw)
         assert plans[-1].path == "split" and plans[-1].splits > 1, str(plans[-1])
         problem = rule_violation(kernel, torch_dt, ref, dtype)
         if problem:

@@ -115,26 +115,30 @@ def test_past_seq_len_the_cache_keeps_the_last_seq_len_positions_at_their_own_ro
     keys and values) that is the model on the last seq_len bytes, whose RoPE differs only by a shift."""
     torch.manual_seed(0)
     model = GPT(tiny(n_layer=1)).eval()
-    data = torch.randint(0, 256, (1, 40))
-    cache = model.new_cache()
+    data = torch.randint(0, 256, (1, 41))
+    cache = model.new_cache(40)
     with torch.no_grad():
         model(data[:, :16], cache=cache)
         for t in range(16, 40):
             step, _ = model(data[:, t:t + 1], cache=cache)
             window, _ = model(data[:, t - 15:t + 1])
             torch.testing.assert_close(step[:, -1], window[:, -1], rtol=1e-4, atol=1e-4)
-    assert cache.pos == 40 and cache.layers[0].attn.filled == 16
+    assert cache.pos == 40 and cache.position.item() == 40 and cache.layers[0].attn.k.shape[2] == 16
     with pytest.raises(ValueError, match="one byte per call"):
         model(data[:, :2], cache=cache)
+    with pytest.raises(ValueError, match="position 40 is past the cache's 40 positions"):
+        model(data[:, 40:], cache=cache)
     with pytest.raises(ValueError, match="sequence length 17 exceeds the model's seq_len=16"):
         model(data[:, :17], cache=model.new_cache())  # a prefill longer than the cache
+    with pytest.raises(ValueError, match="positions: expected >= 1"):
+        model.new_cache(0)
 
 
 def test_the_fastmax_state_after_a_prefill_is_the_state_built_byte_by_byte_and_its_size_stays():
     torch.manual_seed(0)
     model = GPT(tiny(attention="fastmax")).eval()
     data = torch.randint(0, 256, (2, 40))
-    whole, steps = model.new_cache(), model.new_cache()
+    whole, steps = model.new_cache(), model.new_cache(40)
     with torch.no_grad():
         model(data[:, :12], cache=whole)
         for t in range(12):
@@ -266,6 +270,34 @@ def test_every_variant_is_a_config_and_found_again():
         assert variant_of(tiny(**dict(variant.settings))) is variant
     with pytest.raises(ValueError, match="no registered attention variant"):
         variant_of(tiny(attention="softmax", sdpa_backend="flash"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overrides", [dict(attention="softmax"), dict(attention="cosine", use_cuda_kernel=True),
+                                       dict(attention="cosine", cosine_sdpa=True),
+                                       dict(attention="fastmax", use_cuda_kernel=True, short_conv=4)],
+                         ids=["softmax", "cosine-kernel", "cosine-sdpa", "fastmax-kernel-conv"])
+def test_a_captured_decode_step_replays_the_eager_one(overrides):
+    """A decode step recorded as a CUDA graph (CapturedStep) and replayed gives the eager step's logits, at
+    every later position, past seq_len too (the ring wraps), on a cache it updates as the eager step would."""
+    from model import CapturedStep
+    torch.manual_seed(0)
+    model = GPT(tiny(**overrides, n_head=2, n_embd=128, seq_len=256)).cuda().eval()
+    data = torch.randint(0, 256, (2, 400), device="cuda")
+    eager, graphed = model.new_cache(400), model.new_cache(400)
+    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+        for cache in (eager, graphed):
+            model(data[:, :200], cache=cache)
+            for t in range(200, 203):
+                model(data[:, t:t + 1], cache=cache)
+        step = CapturedStep(model, graphed, batch=2)
+        for t in range(203, 400):
+            want, _ = model(data[:, t:t + 1], cache=eager)
+            # The same kernels on the same values; only cuBLAS may pick another algorithm under capture.
+            torch.testing.assert_close(step(data[:, t:t + 1]), want, rtol=2e-2, atol=2e-2)
+    assert graphed.pos == eager.pos == 400
+    with pytest.raises(ValueError, match="past the cache's 400 positions"):
+        step(data[:, :1])
 
 
 @pytest.mark.gpu
