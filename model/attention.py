@@ -182,9 +182,12 @@ class CausalSelfAttention(nn.Module):
         # should be regularised alike for a fair comparison.
         self.attend = attention_fn(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, pos: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, pos: int = 0,
+                context=None) -> torch.Tensor:
         """x (B, T, C) at positions pos .. pos + T - 1 (cos, sin: their RoPE rows); with a cache
-        (decode_cache's), these positions join it and a decode step (T = 1) reads it."""
+        (decode_cache's), these positions join it and a decode step (T = 1) reads it. With a context
+        (model.context_parallel's ContextParallel), x is a rank's slice, cos and sin its positions' rows, and
+        attention runs over the slices of the whole sequence."""
         b, t, _ = x.shape
         q, k, v = self.qkv(x).split(self.split, dim=-1)
         q = q.view(b, t, self.n_head, self.head_dim).transpose(1, 2)
@@ -194,6 +197,9 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             cache.add(k, v, pos)
         # A prefill attends causally among its own positions; a decode step's one query reads the cache.
-        y = self.attend(q, k, v) if cache is None or t > 1 else cache.read(q)
+        if context is not None:
+            y = context.attend(q, k, v)
+        else:
+            y = self.attend(q, k, v) if cache is None or t > 1 else cache.read(q)
         y = y.transpose(1, 2).reshape(b, t, -1)
         return self.resid_dropout(self.proj(y))
