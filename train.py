@@ -34,7 +34,7 @@ checkpoint, which every rank reads on resume (with the same WORLD_SIZE).
 attention of docs/context_parallel.md between them; WORLD_SIZE / N such groups train data-parallel, and
 grad_accum_steps then counts the micro-steps of the groups:
 
-    torchrun --standalone --nproc_per_node=4 train.py --attention cosine --context-parallel 4 --seq_len 1048576
+    torchrun --standalone --nproc_per_node=4 train.py --attention cosine --context-parallel 4 --seq_len 16384
 """
 from __future__ import annotations
 
