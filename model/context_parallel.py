@@ -18,7 +18,6 @@ import itertools
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
@@ -330,11 +329,13 @@ class ContextParallel:
         """This rank's share of the loss of the whole targets (B, T), given the logits of its slice: "mean",
         the summed cross-entropy of its slice's targets over the count of all targets, so that the shares
         add up over the group to the whole mean and their gradients to its gradient; "none", the per-token
-        loss (B, T) of the whole sequence, the same on every rank (for evaluation by position)."""
+        loss (B, T) of the whole sequence, the same on every rank, for evaluation by position (no gradient:
+        training takes the mean)."""
         mine, positions = self.shard(targets)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), mine.flatten(), reduction="none").view_as(mine)
         if reduction == "mean":
             # Every rank holds the whole targets, so the count needs no exchange (-100: cross_entropy's ignore_index).
             return loss.sum() / targets.ne(-100).sum()
-        whole = loss.new_zeros(targets.shape).index_copy(1, positions, loss)
-        return dist_nn.all_reduce(whole, group=self.group)
+        whole = loss.detach().new_zeros(targets.shape).index_copy(1, positions, loss.detach())
+        dist.all_reduce(whole, group=self.group)
+        return whole
