@@ -29,6 +29,12 @@ CPU, over gloo) and draws its own random windows. grad_accum_steps counts the mi
 together, each doing grad_accum_steps / WORLD_SIZE of them, so a step's batch does not grow with the
 process count. Evaluations are split over the ranks and summed exactly; rank 0 alone logs and writes the
 checkpoint, which every rank reads on resume (with the same WORLD_SIZE).
+
+``--context-parallel N`` (cosine or fastmax) splits each sequence over N consecutive ranks, with the
+attention of docs/context_parallel.md between them; WORLD_SIZE / N such groups train data-parallel, and
+grad_accum_steps then counts the micro-steps of the groups:
+
+    torchrun --standalone --nproc_per_node=4 train.py --attention cosine --context-parallel 4 --seq_len 16384
 """
 from __future__ import annotations
 
@@ -125,10 +131,19 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
     ckpt = checkpoint_to_resume(cli.resume, ckpt_path, world_size)
     if ckpt is not None:
         cfg = resumed_config(cfg, cli.given, ckpt)
-    if cfg.grad_accum_steps % world_size:
-        usage_error(f"grad_accum_steps: expected a multiple of WORLD_SIZE={world_size} (it counts the micro-steps "
-                    f"of all processes together), got {cfg.grad_accum_steps}")
-    micro_steps = cfg.grad_accum_steps // world_size
+    # Consecutive ranks form a context group, which splits each sequence; the groups train data-parallel, each
+    # drawing its own batches (as data rank r of data_size), which all ranks of the group share.
+    context = cfg.context_parallel
+    if world_size % context:
+        usage_error(f"context_parallel: expected a divisor of WORLD_SIZE={world_size} (the processes split into "
+                    f"groups of context_parallel), got {context}")
+    data_rank, data_size = rank // context, world_size // context
+    if cfg.grad_accum_steps % data_size:
+        data = (f"WORLD_SIZE / context_parallel = {world_size} / {context}" if context > 1
+                else f"WORLD_SIZE={world_size}")
+        usage_error(f"grad_accum_steps: expected a multiple of {data} (it counts the micro-steps of all data-parallel "
+                    f"processes together), got {cfg.grad_accum_steps}")
+    micro_steps = cfg.grad_accum_steps // data_size
     if ckpt is not None and ckpt["step"] >= cfg.max_iters:
         # Nothing left to train. A checkpoint is written after its step's evaluations, so a finished run's
         # final ones are logged already: running them again would log them twice.
@@ -146,12 +161,12 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
     if cfg.task == "enwik8":
         splits = load_splits(cfg, rank, world_size)
         fingerprint = data_fingerprint(splits)
-        sampler = RandomWindowSampler(splits["train"], cfg.batch_size, cfg.seq_len, cfg.seed, rank, world_size)
+        sampler = RandomWindowSampler(splits["train"], cfg.batch_size, cfg.seq_len, cfg.seed, data_rank, data_size)
         prompt = bytes(splits["val"][:SAMPLE_PROMPT_BYTES])
     else:  # generated sequences: nothing to download, and no text to continue in a sample
         recall = RecallTask(cfg.seq_len, cfg.recall_pairs, cfg.recall_queries)
         fingerprint = recall.fingerprint(cfg.seed)
-        sampler = RecallSampler(recall, cfg.batch_size, cfg.seed, rank, world_size)
+        sampler = RecallSampler(recall, cfg.batch_size, cfg.seed, data_rank, data_size)
         prompt = None
     # The data is part of the trajectory: a resume on other bytes (another file, the same path changed, or a
     # recall generator that draws differently now) would not continue the run it names.
@@ -164,6 +179,9 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
     # Per rank, so that ranks draw different dropout masks; DDP gives every rank rank 0's initial weights.
     torch.manual_seed(cfg.seed + rank)
     model = GPT(cfg.model_config()).to(device)
+    if context > 1:
+        context_group, _ = dist.new_subgroups(context)  # every rank takes part in making every group
+        model.set_context_group(context_group)
     optimizer = make_optimizer(model, cfg, device)
     start_step, run_id = 0, None
     if ckpt is not None:
@@ -175,7 +193,10 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
         # A resume under another run name is a new wandb run (a fork), not more rows in the old one.
         if ckpt["config"]["run_name"] == cfg.run_name:
             run_id = ckpt["wandb_run_id"]
-    # DDP averages the gradients over ranks during backward, in buckets that overlap the computation.
+    # DDP averages the gradients over ranks during backward, in buckets that overlap the computation. Over all
+    # ranks, context groups included: the ranks of a group hold the same weights (DDP's broadcast from rank 0
+    # sees to that) and their gradients' sum is their sequences', so one all-reduce serves both (the backward
+    # below scales by the group size to turn DDP's mean over a group into that sum).
     ddp = (DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
            if world_size > 1 else None)
     train_model = model if ddp is None else ddp
@@ -194,7 +215,8 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
         print(f"{cfg.run_name}: {model.num_params() / 1e6:.2f}M params, {cfg.attention} attention"
               f"{' (CUDA kernel)' if cfg.use_cuda_kernel else ''}{task}, {tokens_per_step:,} tokens/step, "
               f"{flops_per_token / 1e6:.1f} MFLOP/token, {device} {dtype}"
-              f"{f' x {world_size} processes' if world_size > 1 else ''}, writing to {run_dir}"
+              f"{f' x {world_size} processes' if world_size > 1 else ''}"
+              f"{f' in context groups of {context}' if context > 1 else ''}, writing to {run_dir}"
               + (f", resuming at step {start_step}" if ckpt is not None else ""))
         if peak is None:
             print(f"perf/mfu not logged: no peak FLOP/s known for {device} {dtype}; pass --peak_tflops to set it")
@@ -217,10 +239,10 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
         # the answers, which is all it asks (its other targets are IGNORE_INDEX).
         curve = accuracy = None
         if cfg.task == "enwik8":
-            loss, curve = evaluate(model, splits[split], cfg, device, autocast, max_windows, rank, world_size)
+            loss, curve = evaluate(model, splits[split], cfg, device, autocast, max_windows, data_rank, data_size)
         else:
             batches = recall.eval_batches(split, cfg.batch_size, max_windows)
-            loss, accuracy = evaluate_recall(model, batches, device, autocast, rank, world_size)
+            loss, accuracy = evaluate_recall(model, batches, device, autocast, data_rank, data_size)
         if not math.isfinite(loss):  # summed over ranks, so every rank sees the same
             raise Diverged(f"the {split} loss is {loss} at step {step}")
         if rank == 0:
@@ -250,7 +272,7 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
                     with ddp.no_sync() if ddp is not None and micro < micro_steps - 1 else contextlib.nullcontext():
                         with autocast:
                             _, loss = train_model(x, y)
-                        (loss / micro_steps).backward()
+                        (loss * context / micro_steps).backward()
                     loss_sum += loss.detach()
                 grad_norm = clip_gradients(model, cfg)
                 # One all-reduce carries the loss summed over ranks and whether any rank was signalled, so the

@@ -20,6 +20,7 @@ import torch
 
 from data.recall import EVAL_SEQUENCES, RecallTask
 from model import GPTConfig
+from model.context_parallel import context_zigzag
 from model.gpt import option
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -41,6 +42,9 @@ class TrainConfig(GPTConfig):
     data_path: str | None = option(None, "a local enwik8 copy (raw, .zip or .gz); None = the verified download")
     batch_size: int = option(8, "sequences per micro-step")
     grad_accum_steps: int = option(1, "micro-steps per optimizer step, over all processes")
+    context_parallel: int = option(1, "under torchrun, the consecutive ranks that split each sequence (cosine or "
+                                      "fastmax; enwik8); the WORLD_SIZE / context_parallel groups of them "
+                                      "train data-parallel")
     max_iters: int = option(10000, "optimizer steps")
     lr_decay_iters: int | None = option(None, "the step where the cosine reaches min_lr; None = max_iters "
                                               "(a resume keeps the checkpoint's)")
@@ -107,6 +111,16 @@ class TrainConfig(GPTConfig):
         if self.run_name is not None and not re.fullmatch(r"[\w.+-]+", self.run_name):
             raise ValueError(f"run_name: expected letters, digits and . _ + - (it names a directory), "
                              f"got {self.run_name!r}")
+        if self.context_parallel < 1:
+            raise ValueError(f"context_parallel: expected a positive int, got {self.context_parallel}")
+        if self.context_parallel > 1:
+            if self.task != "enwik8":
+                raise ValueError(f"context_parallel: splits enwik8's windows; task {self.task!r} scores its answers "
+                                 "from whole sequences' logits, so expected context_parallel 1")
+            try:
+                context_zigzag(self, self.context_parallel)
+            except ValueError as err:
+                raise ValueError(f"context_parallel {self.context_parallel}: {err}") from None
         if self.task == "recall":
             if self.data_path is not None:
                 raise ValueError(f"data_path: task 'recall' generates its sequences and reads no file; expected "

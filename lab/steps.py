@@ -112,6 +112,9 @@ def evaluate(model: GPT, split: np.ndarray, cfg: TrainConfig, device, autocast, 
     Under DDP (a collective: all ranks must call it) rank r scores batches r, r + world_size, ... and
     the per-position loss sums and counts are added over ranks: the single-process result, which an
     average of the ranks' means would not be, as ranks can score different numbers of targets.
+    Under context parallelism rank and world_size are the data-parallel ones: every rank of a context group
+    holds its batches' whole per-token loss (GPT's share of reduction="none"), so the sums over all ranks
+    count each batch once per member, which leaves the means unchanged.
     """
     model.eval()
     loss_sum = torch.zeros(cfg.seq_len, dtype=torch.float64, device=device)

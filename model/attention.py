@@ -193,9 +193,11 @@ class CausalSelfAttention(nn.Module):
         self.attend = attention_fn(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
-                position: torch.Tensor | None = None) -> torch.Tensor:
+                position: torch.Tensor | None = None, context=None) -> torch.Tensor:
         """x (B, T, C) (cos, sin: its RoPE rows); with a cache (decode_cache's), x's positions, from position
-        ((1,) on the device) on, join it, and a decode step (T = 1) reads it."""
+        ((1,) on the device) on, join it, and a decode step (T = 1) reads it. With a context
+        (model.context_parallel's ContextParallel), x is a rank's slice, cos and sin its positions' rows, and
+        attention runs over the slices of the whole sequence."""
         b, t, _ = x.shape
         q, k, v = self.qkv(x).split(self.split, dim=-1)
         q = q.view(b, t, self.n_head, self.head_dim).transpose(1, 2)
@@ -205,6 +207,9 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             cache.add(k, v, position)
         # A prefill attends causally among its own positions; a decode step's one query reads the cache.
-        y = self.attend(q, k, v) if cache is None or t > 1 else cache.read(q, position)
+        if context is not None:
+            y = context.attend(q, k, v)
+        else:
+            y = self.attend(q, k, v) if cache is None or t > 1 else cache.read(q, position)
         y = y.transpose(1, 2).reshape(b, t, -1)
         return self.resid_dropout(self.proj(y))

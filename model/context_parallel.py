@@ -13,10 +13,12 @@ the positions it holds (RoPE's rows); the attention functions read the same layo
 """
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from attention_cuda.reference import chunk_rows, expand_kv, key_moment, safe_divide, scale_rows, score_dtype
@@ -274,3 +276,66 @@ def fastmax_context_parallel(q, k, v, group=None, *, causal: bool, p: int = 2, a
     y = torch.cat([chunk_rows(qw[..., s, :], kw[:, :, s][:, :, :band], vw[:, :, s][:, :, :band], keep[:, :, :band],
                               state, 0, 0, 0, policy) for s, state in zip(spans, seen)], dim=-2)
     return safe_divide(y[..., :d], y[..., d:]).reshape(b, h, t, d).to(q.dtype)
+
+
+def context_zigzag(cfg, size: int) -> bool:
+    """Whether a model of cfg (a GPTConfig) splits its sequences over ``size`` ranks in zigzag order, or
+    ValueError naming what cannot run context-parallel. The one place that decides what a model's context
+    parallelism supports, for the model and for train.py's --context-parallel alike."""
+    if cfg.attention == "softmax":
+        raise ValueError("attention: context parallelism runs 'cosine' (a ring) or 'fastmax' (a prefix of states); "
+                         "softmax's route is PyTorch's torch.distributed.tensor.experimental.context_parallel for "
+                         "SDPA, which this model does not wire up yet")
+    if cfg.use_cuda_kernel or cfg.cosine_sdpa:
+        raise ValueError("use_cuda_kernel, cosine_sdpa: context parallelism computes its blocks on the PyTorch "
+                         "reference only so far; leave both off")
+    if cfg.short_conv:
+        raise ValueError(f"short_conv: a slice's first positions would need the previous rank's last inputs, which "
+                         f"context parallelism does not pass; expected 0, got {cfg.short_conv}")
+    # Causal cosine is quadratic: in plain order the last rank's queries see every key, the first rank's only
+    # its own, so zigzag balances the ring. Fastmax is linear: each chunk reads one state and does its own
+    # band, the same work wherever it sits, and plain order sends one state per rank rather than two.
+    zigzag = cfg.attention == "cosine"
+    chunks = 2 * size if zigzag else size
+    if cfg.seq_len % chunks:
+        raise ValueError(f"seq_len: context parallelism over {size} ranks cuts each sequence into {chunks} chunks "
+                         f"({'zigzag order, ' if zigzag else ''}{cfg.attention}), expected a multiple of {chunks}, "
+                         f"got {cfg.seq_len}")
+    return zigzag
+
+
+class ContextParallel:
+    """A model's place in a context-parallel group: the slice of each sequence this rank holds, attention
+    over the group's ranks, and this rank's share of the loss."""
+
+    def __init__(self, cfg, group):
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.zigzag = context_zigzag(cfg, self.size)
+        if cfg.attention == "cosine":
+            self.attend = functools.partial(cosine_ring_attention, group=group, causal=True, scale=cfg.cosine_scale,
+                                            zigzag=True)
+        else:
+            self.attend = functools.partial(fastmax_context_parallel, group=group, causal=True, zigzag=False,
+                                            p=cfg.fastmax_p, a0=cfg.fastmax_a0, a1=cfg.fastmax_a1, a2=cfg.fastmax_a2,
+                                            temperature=cfg.fastmax_temperature, normalize=cfg.fastmax_normalize,
+                                            lim=cfg.fastmax_lim)
+
+    def shard(self, x: torch.Tensor):
+        """This rank's slice of x (B, T, ...) and its positions."""
+        return shard_sequence(x, self.rank, self.size, zigzag=self.zigzag)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+        """This rank's share of the loss of the whole targets (B, T), given the logits of its slice: "mean",
+        the summed cross-entropy of its slice's targets over the count of all targets, so that the shares
+        add up over the group to the whole mean and their gradients to its gradient; "none", the per-token
+        loss (B, T) of the whole sequence, the same on every rank, for evaluation by position (no gradient:
+        training takes the mean)."""
+        mine, positions = self.shard(targets)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), mine.flatten(), reduction="none").view_as(mine)
+        if reduction == "mean":
+            # Every rank holds the whole targets, so the count needs no exchange (-100: cross_entropy's ignore_index).
+            return loss.sum() / targets.ne(-100).sum()
+        whole = loss.detach().new_zeros(targets.shape).index_copy(1, positions, loss.detach())
+        dist.all_reduce(whole, group=self.group)
+        return whole

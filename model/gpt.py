@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from attention_cuda.score import check_poly_coefficients
 from model.attention import CausalSelfAttention, attention_flops_per_token, decode_cache, rope_tables
+from model.context_parallel import ContextParallel
 
 VOCAB_SIZE = 256  # bytes
 ATTENTIONS = ("softmax", "cosine", "fastmax")
@@ -183,10 +184,10 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None,
-                position: torch.Tensor | None = None) -> torch.Tensor:
+                position: torch.Tensor | None = None, context: ContextParallel | None = None) -> torch.Tensor:
         if self.conv is not None:
             x = x + self.conv(x, None if cache is None else cache.conv)
-        x = x + self.attn(self.attn_norm(x), cos, sin, None if cache is None else cache.attn, position)
+        x = x + self.attn(self.attn_norm(x), cos, sin, None if cache is None else cache.attn, position, context)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -237,6 +238,7 @@ class GPT(nn.Module):
         cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.context = None  # set_context_group's
         self.apply(self._init_weights)
         # GPT-2: every block adds two residual branches, so their output projections start smaller to
         # keep the residual stream's variance independent of depth.
@@ -262,12 +264,21 @@ class GPT(nn.Module):
         """An empty decoding cache for up to ``positions`` bytes, prompt and generated (default seq_len)."""
         return DecodeCache(self.cfg, self.cfg.seq_len if positions is None else positions).to(self.wte.weight.device)
 
+    def set_context_group(self, group) -> None:
+        """From now on a forward without a cache runs on this rank's slice of each sequence, its attention
+        reaching the other slices over the process group, and returns the logits of the slice and this rank's
+        share of the loss (ContextParallel.loss). Every rank of the group must run the same forwards and
+        backwards; the caller sums the parameter gradients over the group. None: the whole sequence again.
+        Decoding (a forward with a cache) always runs on one process, on the whole sequence."""
+        self.context = None if group is None else ContextParallel(self.cfg, group)
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean",
                 cache: DecodeCache | None = None):
         """logits (B, T, 256) and the loss in nats: mean over tokens, or per token (B, T) with
-        reduction="none" (for evaluation by position); the loss is None without targets.
+        reduction="none" (for evaluation by position); the loss is None without targets. Under a context
+        group (set_context_group) the logits are the rank's slice's and the loss its share.
 
-        With a cache (new_cache()), idx continues what the cache has seen: first a prefill of up to seq_len
+        With a cache (new_cache(positions)), idx continues what the cache has seen: first a prefill of up to seq_len
         bytes, then one byte per call. Past seq_len bytes each step attends to the last seq_len positions.
         """
         t = idx.shape[1]
@@ -278,7 +289,11 @@ class GPT(nn.Module):
             cache.check_room(t)
         if reduction not in ("mean", "none"):
             raise ValueError(f"reduction: expected 'mean' or 'none', got {reduction!r}")
-        if cache is None:
+        context = self.context if cache is None else None
+        if context is not None:
+            idx, positions = context.shard(idx)
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        elif cache is None:
             cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         elif pos == 0:  # the prefill
             cos, sin = (x[:t] for x in cache.rope)
@@ -286,13 +301,15 @@ class GPT(nn.Module):
             cos, sin = (x.index_select(0, cache.position) for x in cache.rope)
         x = self.drop(self.wte(idx))
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, *((None, None) if cache is None else (cache.layers[i], cache.position)))
+            x = block(x, cos, sin, *((None, None) if cache is None else (cache.layers[i], cache.position)), context)
         if cache is not None:
             cache.pos += t
             cache.position += t
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits, None
+        if context is not None:
+            return logits, context.loss(logits, targets, reduction)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction)
         return logits, loss.view_as(targets) if reduction == "none" else loss
 

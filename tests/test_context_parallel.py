@@ -1,15 +1,15 @@
 """Context parallelism at the attention level: 2 and 4 CPU processes over gloo, each holding its slice of
 one sequence, give the single-process reference's outputs and gradients, in plain and zigzag order."""
-import datetime
 import functools
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from attention_cuda import cosine_sim_attention, fastmax_attention
-from model.context_parallel import cosine_ring_attention, fastmax_context_parallel, shard_sequence
+from helpers import spawn_gloo
+from model import GPT, GPTConfig
+from model.context_parallel import context_zigzag, cosine_ring_attention, fastmax_context_parallel, shard_sequence
 
 B, H, T, D = 2, 4, 24, 8  # T = 24: 3 positions a chunk at 4 ranks in zigzag order (8 chunks)
 FASTMAX = dict(p=2, a0=1.0, a1=1.0, a2=0.5, temperature=2.0)
@@ -43,24 +43,77 @@ def check_case(rank: int, world: int, family: str, causal: bool, zigzag: bool, k
         torch.testing.assert_close(g, e[:, :, positions], msg=lambda m: f"{case}: {name}: {m}")
 
 
-def run_cases(rank: int, world: int, store: str, family: str) -> None:
-    torch.set_num_threads(1)  # 4 processes on 2 cores
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))  # a hung ring fails, not the whole run
-    try:
-        for case in CASES:
-            check_case(rank, world, family, *case)
-        if world == 4:  # two sequences side by side on groups of two, as beside data parallelism
-            pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-            check_case(rank % 2, 2, family, True, True, H, group=pairs[rank // 2])
-    finally:
-        dist.destroy_process_group()
+def run_cases(rank: int, world: int, family: str) -> None:
+    for case in CASES:
+        check_case(rank, world, family, *case)
+    if world == 4:  # two sequences side by side on groups of two, as beside data parallelism
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        check_case(rank % 2, 2, family, True, True, H, group=pairs[rank // 2])
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("family", ["cosine", "fastmax"])
 def test_slices_across_processes_give_the_single_process_outputs_and_gradients(family, world, tmp_path):
-    mp.spawn(run_cases, args=(world, str(tmp_path / "store"), family), nprocs=world)
+    spawn_gloo(run_cases, world, tmp_path / "store", family)
+
+
+def tiny_model(family: str) -> GPT:
+    """The same float64 GPT on every rank: 16 positions make 8 chunks of 2 for zigzag order at 4 ranks."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_head=2, n_kv_head=1, n_embd=16, seq_len=16, attention=family)
+    return GPT(cfg).double()
+
+
+def check_model(rank: int, world: int, family: str, group) -> None:
+    """The model under a context group of ``world`` ranks (this one ``rank`` of them) against the same model
+    on the whole batch: the loss shares and the parameter gradients summed over the group, the slice's
+    logits, and the per-token loss."""
+    model = tiny_model(family)
+    gen = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, 256, (2, 16), generator=gen) for _ in range(2))
+    y[0, 3] = -100  # an ignored target counts neither in the loss nor in its count
+    params = list(model.parameters())
+    logits, loss = model(x, y)
+    expected = (loss.detach(), *torch.autograd.grad(loss, params))
+    per_token = model(x, y, reduction="none")[1].detach()
+
+    model.set_context_group(group)
+    _, positions = shard_sequence(x, rank, world, zigzag=family == "cosine")
+    local_logits, share = model(x, y)
+    got = [share.detach(), *torch.autograd.grad(share, params)]
+    for g in got:
+        dist.all_reduce(g, group=group)
+    case = f"{family} rank {rank}/{world}"
+    torch.testing.assert_close(local_logits.detach(), logits.detach()[:, positions],
+                               msg=lambda m: f"{case}: logits: {m}")
+    for name, g, e in zip(["loss"] + [n for n, _ in model.named_parameters()], got, expected):
+        torch.testing.assert_close(g, e, msg=lambda m: f"{case}: {name}: {m}")
+    torch.testing.assert_close(model(x, y, reduction="none")[1], per_token, msg=lambda m: f"{case}: per token: {m}")
+
+
+def run_model(rank: int, world: int, family: str) -> None:
+    check_model(rank, world, family, dist.group.WORLD)
+    if world == 4:  # the groups train.py makes: consecutive ranks, two sequences side by side
+        pair, _ = dist.new_subgroups(2)
+        check_model(rank % 2, 2, family, pair)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("family", ["cosine", "fastmax"])
+def test_the_model_under_a_context_group_gives_the_single_process_loss_and_gradients(family, world, tmp_path):
+    spawn_gloo(run_model, world, tmp_path / "store", family)
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(attention="softmax"), "attention: .* 'cosine' .* 'fastmax' .* torch.distributed.tensor.experimental"),
+    (dict(attention="cosine", use_cuda_kernel=True), "use_cuda_kernel, cosine_sdpa: .* PyTorch reference"),
+    (dict(attention="fastmax", short_conv=3), "short_conv: .* expected 0, got 3"),
+    (dict(attention="cosine", seq_len=12), "seq_len: .* 8 chunks \\(zigzag order, cosine\\), expected .* of 8, got 12"),
+    (dict(attention="fastmax", seq_len=10), "seq_len: .* 4 chunks .* expected a multiple of 4, got 10"),
+])
+def test_what_cannot_run_context_parallel_is_refused(changes, match):
+    with pytest.raises(ValueError, match=match):
+        context_zigzag(GPTConfig(**{"n_embd": 16, "n_head": 2, **changes}), 4)
 
 
 @pytest.fixture

@@ -146,3 +146,62 @@ def test_two_gpus_over_nccl(tmp_path, data_path):
     loss, _ = evaluate(model, load_enwik8(data_path, log=lambda *_: None)["val"], cfg, device,
                              torch.autocast("cuda", dtype=torch.bfloat16), cfg.final_eval_max_windows)
     assert [r for r in rows if "val/loss" in r][-1]["val/loss"] == pytest.approx(loss, rel=1e-4)
+
+
+# Dropout off: the single process draws its masks over whole windows, the context group over slices.
+CONTEXT_ARGS = ["--context-parallel", "2", "--dropout", "0", "--max_iters", "6", "--eval_interval", "3"]
+
+
+def eval_rows(run_dir: Path) -> list[tuple]:
+    return [(r["step"], r["val/loss"], r["val/bpc_by_position"]) for r in read_jsonl(run_dir / "metrics.jsonl")
+            if "val/loss" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["cosine", "fastmax"])
+def test_a_context_group_of_two_trains_and_evaluates_as_one_process(family, tmp_path, data_path, run):
+    """Two processes splitting each window train as one process on the same batches: the same losses step by
+    step (so the same gradients), the same evaluations, bpc by position included."""
+    torchrun(data_path, tmp_path / "out", "--run_name", "cp", "--attention", family, *CONTEXT_ARGS)
+    assert run(*DDP_ARGS, "--run_name", "single", "--attention", family, *CONTEXT_ARGS[2:]) == 0
+    got, expected = tmp_path / "out" / "cp", run.out / "single"
+    assert [s for s, *_ in train_rows(got)] == list(range(1, 7))
+    for column in (1, 2):  # the loss, the gradient norm
+        assert [r[column] for r in train_rows(got)] == pytest.approx([r[column] for r in train_rows(expected)], rel=1e-5)
+    assert [(s, p) for s, _, curve in eval_rows(got) for p, _ in curve] == \
+           [(s, p) for s, _, curve in eval_rows(expected) for p, _ in curve]
+    for (_, loss, curve), (_, loss_1, curve_1) in zip(eval_rows(got), eval_rows(expected), strict=True):
+        assert loss == pytest.approx(loss_1, rel=1e-5)
+        assert [b for _, b in curve] == pytest.approx([b for _, b in curve_1], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_context_parallel_run_resumes_exactly(tmp_path, data_path):
+    out = tmp_path / "out"
+    torchrun(data_path, out, "--run_name", "straight", "--attention", "cosine", *CONTEXT_ARGS)
+    torchrun(data_path, out, "--run_name", "split", "--attention", "cosine", *CONTEXT_ARGS, "--max_iters", "3",
+             "--lr_decay_iters", "6")
+    torchrun(data_path, out, "--run_name", "split", *CONTEXT_ARGS, "--resume", "auto")
+    ckpt = torch.load(out / "split" / "ckpt.pt", weights_only=False)
+    assert (ckpt["step"], ckpt["world_size"], ckpt["config"]["context_parallel"]) == (6, 2, 2)
+    assert train_rows(out / "split") == train_rows(out / "straight")
+
+
+@pytest.mark.parametrize("world, args, message", [
+    ("3", ["--attention", "cosine", "--context-parallel", "2"],
+     "context_parallel: expected a divisor of WORLD_SIZE=3 (the processes split into groups of context_parallel), "
+     "got 2"),
+    ("4", ["--attention", "cosine", "--context-parallel", "2", "--grad_accum_steps", "3"],
+     "grad_accum_steps: expected a multiple of WORLD_SIZE / context_parallel = 4 / 2"),
+    ("2", ["--attention", "softmax", "--context-parallel", "2"],
+     "context_parallel 2: attention: context parallelism runs 'cosine' (a ring) or 'fastmax'"),
+    ("2", ["--attention", "cosine", "--context-parallel", "2", "--seq_len", "34"],
+     "context_parallel 2: seq_len: context parallelism over 2 ranks cuts each sequence into 4 chunks (zigzag order, "
+     "cosine), expected a multiple of 4, got 34"),
+])
+def test_context_parallel_settings_that_cannot_run_are_usage_errors(world, args, message, run, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(SystemExit) as exc:
+        run(*args)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
