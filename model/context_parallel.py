@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 
 import torch
 import torch.distributed as dist
@@ -117,8 +118,44 @@ def cosine_block_backward(q, k, v, out, den, d_out, scale: float, diagonal: bool
     return torch.autograd.grad((num, block_den), (q, k, v), (d_num, d_den))
 
 
+LOG2E = math.log2(math.e)
+
+
+def _kernel_options(scale: float):
+    """attn_cuda's score options (kind, scale, qk_norm, coef, normalize) for rows the ring made unit itself."""
+    return "cosine", scale, None, (0.0, 0.0, 0.0), True
+
+
+def cosine_block_cuda(q, k, v, scale: float, diagonal: bool):
+    """cosine_block on our tiled forward kernel (q, k, v in fp16/bf16/fp32 on a GPU; num, den in fp32). Its
+    output is the block's num / den and its row statistic gives den: 1 / den under a fixed shift of scale
+    (the reference's), or log2 of the unshifted sum, sum_s exp(scale q.k_s), under a running max, which
+    the shift of scale brings to the reference's."""
+    ops = torch.ops.attn_cuda
+    options = _kernel_options(scale)
+    out, stat = ops.fwd(q, k, v, None, None, diagonal, *options)[:2]
+    stat = stat[..., :q.shape[2], None]
+    log = ops.stat_is_log(*options, False, q.dtype)
+    den = torch.exp2(stat - scale * LOG2E) if log else stat.reciprocal()
+    return out.float() * den, den
+
+
+def cosine_block_backward_cuda(q, k, v, out, den, d_out, scale: float, diagonal: bool):
+    """cosine_block_backward on our backward kernel, which given the whole row's output and statistic
+    computes exactly one block's share (its weights normalised by the whole row's sum)."""
+    ops = torch.ops.attn_cuda
+    options = _kernel_options(scale)
+    b, h, i, _ = q.shape
+    stat = den.new_zeros(b, h, -(-i // 4) * 4)  # the kernels' rows, padded to 4
+    log = ops.stat_is_log(*options, False, q.dtype)
+    stat[..., :i] = (torch.log2(den) + scale * LOG2E if log else den.reciprocal())[..., 0]
+    empty = stat.new_empty(0)
+    return ops.bwd(d_out.to(q.dtype), q, k, v, None, None, out.to(q.dtype), stat, empty, empty, diagonal,
+                   *options, False)[:3]
+
+
 # The per-block compute by backend: (forward, backward) with cosine_block's and cosine_block_backward's contracts.
-BLOCKS = {"torch": (cosine_block, cosine_block_backward)}
+BLOCKS = {"torch": (cosine_block, cosine_block_backward), "cuda": (cosine_block_cuda, cosine_block_backward_cuda)}
 
 
 def _pieces(mine: tuple[int, ...], theirs: tuple[int, ...], causal: bool, chunk: int):
@@ -145,7 +182,8 @@ class _CosineRing(torch.autograd.Function):
     def forward(ctx, q, k, v, ring: _Ring, causal: bool, scale: float, zigzag: bool, block):
         mine = _chunks(ring.rank, ring.size, zigzag)
         chunk = q.shape[2] // len(mine)
-        num, den = torch.zeros_like(q), q.new_zeros(*q.shape[:-1], 1)
+        acc = torch.promote_types(q.dtype, torch.float32)  # sums over the ring's blocks, whatever the blocks' dtype
+        num, den = q.new_zeros(q.shape, dtype=acc), q.new_zeros(*q.shape[:-1], 1, dtype=acc)
         kv = (k, v)
         for step in range(ring.size):
             theirs = _chunks((ring.rank - step) % ring.size, ring.size, zigzag)
@@ -168,12 +206,13 @@ class _CosineRing(torch.autograd.Function):
         ring, (causal, scale, zigzag, block) = ctx.ring, ctx.args
         mine = _chunks(ring.rank, ring.size, zigzag)
         chunk = q.shape[2] // len(mine)
-        dq = torch.zeros_like(q)
+        acc = torch.promote_types(q.dtype, torch.float32)  # as the forward's: the partial sums travel in it too
+        dq = q.new_zeros(q.shape, dtype=acc)
         kv, partial = (k, v), None
         for step in range(ring.size):
             theirs = _chunks((ring.rank - step) % ring.size, ring.size, zigzag)
             incoming = ring.shift(kv, tag=0) if step < ring.size - 1 else None
-            dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+            dk, dv = (x.new_zeros(x.shape, dtype=acc) for x in (k, v))
             for rows, keys, diagonal in _pieces(mine, theirs, causal, chunk):
                 gq, gk, gv = block[1](q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], out[:, :, rows],
                                       den[:, :, rows], d_out[:, :, rows], scale, diagonal)
@@ -189,7 +228,7 @@ class _CosineRing(torch.autograd.Function):
             if incoming is not None:
                 kv = incoming.wait()
         dk, dv = partial.wait()  # our own block's, back from its last visitor
-        return dq, dk, dv, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def cosine_ring_attention(q, k, v, group=None, *, causal: bool, scale: float = 10.0, zigzag: bool = False,
@@ -198,16 +237,20 @@ def cosine_ring_attention(q, k, v, group=None, *, causal: bool, scale: float = 1
     slice of it: q (B, H, T, D), k, v (B, Hkv, T, D) at the positions shard_sequence gives the rank in the
     group's layout (None: the default group). Every rank of the group must call it, and run its backward.
 
-    Computed in fp32 (fp64 for fp64 inputs); ``backend`` picks the per-block compute (BLOCKS).
+    ``backend`` picks the per-block compute (BLOCKS): "torch" computes in fp32 (fp64 for fp64 inputs),
+    "cuda" (our kernels; fp16, bf16 or fp32 on a GPU) in the inputs' dtype; the sums over blocks are fp32.
     """
     _check_slices(q, k, v, zigzag)
     if backend not in BLOCKS:
         raise ValueError(f"backend: expected one of {tuple(BLOCKS)}, got {backend!r}")
-    work = torch.promote_types(q.dtype, torch.float32)
-    cosine_policy(scale, True).check_range(work)
+    if backend == "cuda" and (q.device.type != "cuda" or q.dtype == torch.float64):
+        raise ValueError(f"backend: 'cuda' runs our kernels on fp16, bf16 or fp32 CUDA tensors, got {q.dtype} on "
+                         f"{q.device}")
+    work = torch.promote_types(q.dtype, torch.float32) if backend == "torch" else q.dtype
+    cosine_policy(scale, True).check_range(torch.promote_types(work, torch.float32))
     ring = _Ring(dist.group.WORLD if group is None else group)
     # Normalised once, outside the ring: autograd takes the gradient through the norm, the ring sees unit rows.
-    qn, kn = (scale_rows(x.to(work), 1.0) for x in (q, k))
+    qn, kn = (scale_rows(x.to(torch.promote_types(x.dtype, torch.float32)), 1.0).to(work) for x in (q, k))
     out = _CosineRing.apply(qn, kn, v.to(work), ring, causal, float(scale), zigzag, BLOCKS[backend])
     return out.to(q.dtype)
 
@@ -286,9 +329,10 @@ def context_zigzag(cfg, size: int) -> bool:
         raise ValueError("attention: context parallelism runs 'cosine' (a ring) or 'fastmax' (a prefix of states); "
                          "softmax's route is PyTorch's torch.distributed.tensor.experimental.context_parallel for "
                          "SDPA, which this model does not wire up yet")
-    if cfg.use_cuda_kernel or cfg.cosine_sdpa:
-        raise ValueError("use_cuda_kernel, cosine_sdpa: context parallelism computes its blocks on the PyTorch "
-                         "reference only so far; leave both off")
+    if cfg.cosine_sdpa or (cfg.use_cuda_kernel and cfg.attention == "fastmax"):
+        raise ValueError("use_cuda_kernel, cosine_sdpa: context parallelism computes cosine's blocks on our kernels "
+                         "or the PyTorch reference, and fastmax's on the reference only so far; leave cosine_sdpa "
+                         "off, and use_cuda_kernel off for fastmax")
     if cfg.short_conv:
         raise ValueError(f"short_conv: a slice's first positions would need the previous rank's last inputs, which "
                          f"context parallelism does not pass; expected 0, got {cfg.short_conv}")
@@ -314,7 +358,7 @@ class ContextParallel:
         self.zigzag = context_zigzag(cfg, self.size)
         if cfg.attention == "cosine":
             self.attend = functools.partial(cosine_ring_attention, group=group, causal=True, scale=cfg.cosine_scale,
-                                            zigzag=True)
+                                            zigzag=True, backend="cuda" if cfg.use_cuda_kernel else "torch")
         else:
             self.attend = functools.partial(fastmax_context_parallel, group=group, causal=True, zigzag=False,
                                             p=cfg.fastmax_p, a0=cfg.fastmax_a0, a1=cfg.fastmax_a1, a2=cfg.fastmax_a2,

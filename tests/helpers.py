@@ -1,5 +1,5 @@
 """Shared by the training, DDP, context-parallel and compare tests: the tiny run's flags, small readers, and
-processes joined over gloo."""
+processes joined in a process group."""
 import datetime
 import json
 from pathlib import Path
@@ -20,17 +20,36 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def spawn_gloo(fn, world: int, store: Path, *args) -> None:
-    """fn(rank, world, *args) in world processes joined in one gloo group (the default group); a failure in
-    any of them fails the caller."""
-    mp.spawn(_gloo_worker, args=(world, str(store), fn, args), nprocs=world)
+def spawn_group(fn, world: int, store: Path, *args, backend: str = "gloo") -> None:
+    """fn(rank, world, *args) in world processes joined in one group (the default group): gloo on CPUs, or
+    nccl with rank r on GPU r; a failure in any of them fails the caller."""
+    mp.spawn(_group_worker, args=(world, str(store), backend, fn, args), nprocs=world)
 
 
-def _gloo_worker(rank: int, world: int, store: str, fn, args) -> None:
+def _group_worker(rank: int, world: int, store: str, backend: str, fn, args) -> None:
     torch.set_num_threads(1)  # up to 4 processes on 2 cores
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))  # a hung ring fails, not the whole run
     try:
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
+
+
+# The FlashAttention error rule (tests/test_cuda_kernels.py's docstring): atol times max(|reference|, 1).
+ATOL = {torch.float16: 1e-3, torch.bfloat16: 2e-3, torch.float32: 2e-4}  # times max(|reference|, 1)
+
+
+def rule_violation(kernel, torch_dt, ref, dtype):
+    """None if the kernel's result obeys the error rule, else what is wrong."""
+    kernel, torch_dt = kernel.double(), torch_dt.double()
+    if not torch.isfinite(kernel).all():
+        return "non-finite values (unwritten or NaN)"
+    err_kernel = (kernel - ref).abs().max().item()
+    err_torch = (torch_dt - ref).abs().max().item()
+    atol = ATOL[dtype] * max(ref.abs().max().item(), 1.0)
+    if err_kernel > 2 * err_torch + atol:
+        return f"kernel error {err_kernel:.3g} > 2 x PyTorch {dtype} error {err_torch:.3g} + atol {atol:.2g}"
+    return None

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from attention_cuda import cosine_sim_attention, fastmax_attention
-from helpers import spawn_gloo
+from helpers import rule_violation, spawn_group
 from model import GPT, GPTConfig
 from model.context_parallel import context_zigzag, cosine_ring_attention, fastmax_context_parallel, shard_sequence
 
@@ -54,7 +54,31 @@ def run_cases(rank: int, world: int, family: str) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("family", ["cosine", "fastmax"])
 def test_slices_across_processes_give_the_single_process_outputs_and_gradients(family, world, tmp_path):
-    spawn_gloo(run_cases, world, tmp_path / "store", family)
+    spawn_group(run_cases, world, tmp_path / "store", family)
+
+
+def check_kernel_ring(rank: int, world: int, dtype: torch.dtype) -> None:
+    """The ring on our kernels, this rank's rows of the output and gradients, against float64 under the
+    FlashAttention rule (2x the error of the same PyTorch math in dtype, plus an atol)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, h, t, d = 2, 4, 2048, 64
+    q, k, v, d_out = (torch.randn(b, h, t, d, dtype=torch.float64, device="cuda", generator=gen) for _ in range(4))
+    reference = functools.partial(cosine_sim_attention, scale=10.0, causal=True, backend="torch")
+    expected, same_math = (output_and_grads(reference, [x.to(dt) for x in (q, k, v)], d_out.to(dt))
+                           for dt in (torch.float64, dtype))
+    _, positions = shard_sequence(torch.zeros(1, t), rank, world, zigzag=True)
+    ring = functools.partial(cosine_ring_attention, scale=10.0, causal=True, zigzag=True, backend="cuda")
+    got = output_and_grads(ring, [x[:, :, positions].to(dtype) for x in (q, k, v)], d_out[:, :, positions].to(dtype))
+    problems = [f"rank {rank} {name}: {p}" for name, g, s, e in zip(("out", "dq", "dk", "dv"), got, same_math, expected)
+                if (p := rule_violation(g, s[:, :, positions], e[:, :, positions], dtype))]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the ring over NCCL needs 2 GPUs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda t: str(t).split(".")[-1])
+def test_the_cosine_ring_on_our_kernels_meets_the_error_rule(dtype, tmp_path):
+    spawn_group(check_kernel_ring, 2, tmp_path / "store", dtype, backend="nccl")
 
 
 def tiny_model(family: str) -> GPT:
@@ -101,12 +125,13 @@ def run_model(rank: int, world: int, family: str) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("family", ["cosine", "fastmax"])
 def test_the_model_under_a_context_group_gives_the_single_process_loss_and_gradients(family, world, tmp_path):
-    spawn_gloo(run_model, world, tmp_path / "store", family)
+    spawn_group(run_model, world, tmp_path / "store", family)
 
 
 @pytest.mark.parametrize("changes, match", [
     (dict(attention="softmax"), "attention: .* 'cosine' .* 'fastmax' .* torch.distributed.tensor.experimental"),
-    (dict(attention="cosine", use_cuda_kernel=True), "use_cuda_kernel, cosine_sdpa: .* PyTorch reference"),
+    (dict(attention="fastmax", use_cuda_kernel=True), "use_cuda_kernel, cosine_sdpa: .* fastmax's on the reference"),
+    (dict(attention="cosine", cosine_sdpa=True), "use_cuda_kernel, cosine_sdpa: .* leave cosine_sdpa off"),
     (dict(attention="fastmax", short_conv=3), "short_conv: .* expected 0, got 3"),
     (dict(attention="cosine", seq_len=12), "seq_len: .* 8 chunks \\(zigzag order, cosine\\), expected .* of 8, got 12"),
     (dict(attention="fastmax", seq_len=10), "seq_len: .* 4 chunks .* expected a multiple of 4, got 10"),
@@ -163,7 +188,9 @@ def test_bad_slices_are_refused_before_any_communication(attention):
         attention(q[:, :, :5], q[:, :, :5], q[:, :, :5], causal=True, zigzag=True)
 
 
-def test_an_unknown_backend_is_refused():
+def test_an_unknown_backend_and_cpu_tensors_on_the_kernels_are_refused():
     q = torch.zeros(1, 4, 6, 8)
-    with pytest.raises(ValueError, match="backend: expected one of \\('torch',\\), got 'cuda'"):
+    with pytest.raises(ValueError, match="backend: expected one of \\('torch', 'cuda'\\), got 'triton'"):
+        cosine_ring_attention(q, q, q, causal=True, backend="triton")
+    with pytest.raises(ValueError, match="backend: 'cuda' runs our kernels on fp16, bf16 or fp32 CUDA tensors"):
         cosine_ring_attention(q, q, q, causal=True, backend="cuda")

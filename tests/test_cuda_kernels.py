@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from attention_cuda import build, cosine_sim_attention, exp_attention, fastmax_attention
+from helpers import rule_violation
 
 pytestmark = pytest.mark.gpu
 
 DTYPES = [getattr(torch, d.torch) for d in build.DTYPES]  # the build list: attention_cuda/build.py
 LINEAR_DTYPES = [getattr(torch, d.torch) for d in build.DTYPES if d.linear]  # the linear form's
 HEAD_DIMS = list(build.HEAD_DIMS)
-ATOL = {torch.float16: 1e-3, torch.bfloat16: 2e-3, torch.float32: 2e-4}  # times max(|reference|, 1)
 
 FAMILIES = {
     # name: (call(q, k, v, **kw), takes attn_bias, inputs are pre-normalised rows)
@@ -104,19 +104,6 @@ def run(call, leaves, kw, dout, dtype, backend):
         out = call(*xs[:3], backend=backend, **call_kw)
         grads = torch.autograd.grad(out, xs, dout)
     return [out, *grads]
-
-
-def rule_violation(kernel, torch_dt, ref, dtype):
-    """None if the kernel's result obeys the error rule, else what is wrong."""
-    kernel, torch_dt = kernel.double(), torch_dt.double()
-    if not torch.isfinite(kernel).all():
-        return "non-finite values (unwritten or NaN)"
-    err_kernel = (kernel - ref).abs().max().item()
-    err_torch = (torch_dt - ref).abs().max().item()
-    atol = ATOL[dtype] * max(ref.abs().max().item(), 1.0)
-    if err_kernel > 2 * err_torch + atol:
-        return f"kernel error {err_kernel:.3g} > 2 x PyTorch {dtype} error {err_torch:.3g} + atol {atol:.2g}"
-    return None
 
 
 def compare(cases, call, dtype):
