@@ -128,6 +128,15 @@ class Report:
             lines.append(f"- **{label}**: {verdict}.")
         return lines
 
+    def sweep_tie(self, variant: str, sweep: list[dict]) -> str | None:
+        """Where the sweep's best rate beat the next by less than the std of the grid's seeds at the sweep's
+        context, the margin and that std; else None."""
+        vals = sorted(r["val_bpc"] for r in sweep if r["variant"] == variant and r["status"] == "ok")
+        _, std, n = spread(self.cell(variant, self.p.sweep_seq_len, "val_bpc"))
+        if len(vals) < 2 or n < 2 or vals[1] - vals[0] >= std:
+            return None
+        return f"{VARIANTS[variant].label} by {vals[1] - vals[0]:.3f} bpc (seeds' std {std:.3f})"
+
     def extrapolation_ratio(self, variant: str, seq_len: int) -> float | None:
         pairs = [(r["extrapolation"]["bpc"], r["val_bpc"]) for r in self.grid.get((variant, seq_len), [])
                  if "extrapolation" in r]
@@ -152,6 +161,10 @@ class Report:
                     r = next((r for r in sweep if r["variant"] == v and r["lr"] == lr), None)
                     cells.append("–" if r is None else f"{r['val_bpc']:.3f}" if r["status"] == "ok" else r["status"])
                 out.append(f"| {VARIANTS[v].label} | " + " | ".join(cells) + f" | {lrs.get(v, '–')} |")
+            ties = [tie for v in p.variants if (tie := self.sweep_tie(v, sweep))]
+            if ties:
+                out += ["", "Chosen by less than the spread of the grid's seeds at this context, so at this budget "
+                        "the rates tie and the choice is the sweep's seed's: " + "; ".join(ties) + "."]
             out.append("")
         out += ["## Final bpc per attention and context", "",
                 f"Mean ± std over seeds {', '.join(map(str, p.seeds))}; val and test over the whole split; train: the "
