@@ -126,7 +126,29 @@ class Report:
                 word = "holds" if ratio <= HOLDS else "degrades" if ratio <= DEGRADES else "breaks"
                 verdict += f"; evaluated at twice the context it {word} (bpc x{ratio:.2f})"
             lines.append(f"- **{label}**: {verdict}.")
-        return lines
+        return lines + [line for t in p.seq_lens if (line := self.between(t))]
+
+    def between(self, seq_len: int) -> str | None:
+        """The attentions side by side at one context: the lowest val bpc, and which others are behind it by
+        more than twice the standard error of the difference, or within it; None with fewer than two
+        attentions of two finished seeds each."""
+        cells = {v: [x for x in self.cell(v, seq_len, "val_bpc") if x is not None] for v in self.p.variants}
+        cells = {v: xs for v, xs in cells.items() if len(xs) >= 2}
+        if len(cells) < 2:
+            return None
+        best = min(cells, key=lambda v: spread(cells[v])[0])
+        behind, within = [], []
+        for v, xs in cells.items():
+            if v != best:
+                d, se = differs(cells[best], xs)
+                (behind if d > 2 * se else within).append(f"{VARIANTS[v].label} ({d:+.3f})")
+        words = [f"{VARIANTS[best].label} has the lowest val bpc ({pm(cells[best])})"]
+        if behind:
+            words.append(f"{', '.join(behind)} {'is' if len(behind) == 1 else 'are'} behind by more than twice "
+                         "the standard error")
+        if within:
+            words.append(f"{', '.join(within)} {'is' if len(within) == 1 else 'are'} within it")
+        return f"- **At {seq_len:,} bytes**: " + "; ".join(words) + "."
 
     def sweep_tie(self, variant: str, sweep: list[dict]) -> str | None:
         """Where the sweep's best rate beat the next by less than the std of the grid's seeds at the sweep's

@@ -188,6 +188,10 @@ def test_the_report_from_results_says_what_they_support(tmp_path):
     assert "**softmax (SDPA)**: a longer context helps: val bpc falls by 0.200 from 32 to 1,024 bytes" in md
     assert "**cosine (PyTorch reference)**: the data does not show that a longer context helps" in md
     assert "it breaks (bpc x1.50)" in md and "it holds (bpc x1.00)" in md
+    assert ("- **At 1,024 bytes**: softmax (SDPA) has the lowest val bpc (1.600 ± 0.005); cosine (PyTorch reference) "
+            "(+0.190) is behind by more than twice the standard error." in md)
+    assert ("- **At 32 bytes**: softmax (SDPA) has the lowest val bpc (1.800 ± 0.005); cosine (PyTorch reference) "
+            "(+0.000) is within it." in md)
     assert "| softmax (SDPA) | 1,024 | 3 | 1.600 ± 0.005 | 1.610 ± 0.005 | 1.550 ± 0.005 | 0.050 ± 0.000 |" in md
     assert "| softmax (SDPA) | 0.002 | 0.002 | 0.002 |" not in md and "| 1.800 | 1.700 | 0.002 |" in md
     assert "`grid_cosine_T1024_lr0.001_s4`: failed (exit 1): out of memory" in md
