@@ -118,7 +118,8 @@ def _plan(call: _Call, causal: bool, policy: ScorePolicy, backend: str, form: st
     splittable = None if causal or needs_grad or call.bias is not None else (
         call.q.shape[0] * call.q.shape[1], call.q.shape[2])
     return resolve(device=call.q.device, dtype=call.q.dtype, head_dim=call.q.shape[-1], keys=call.k.shape[2],
-                   policy=policy, backend=backend, form=form, dropout=dropout, tuning=tuning, splittable=splittable)
+                   policy=policy, backend=backend, form=form, dropout=dropout, tuning=tuning, splittable=splittable,
+                   forward_only=not needs_grad)
 
 
 def _run(plan: Plan, call: _Call, causal: bool, policy: ScorePolicy, dropout: float = 0.0) -> torch.Tensor:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import _extension, build
+from .crossovers import FROM_KEYS, SOURCES
 from .reference import score_dtype as score_dtype_of_reference
 from .score import ScorePolicy
 
@@ -35,24 +36,20 @@ QUERY_TILE = 128
 
 @dataclass(frozen=True)
 class Tuning:
-    """Choices measured on the kernels. ``from_keys`` maps a head dim to the key count from which
-    fastmax's linear form (p = 2) beat the tiled quadratic form, per moments path; ``chunked_rows`` is
-    the chunk of the Hopper chunked kernels (0: always the sweep). The sweep's chunk is no choice: its
-    kernels are compiled for build.LINEAR_CHUNK rows."""
+    """Choices measured on the kernels. ``from_keys[path][direction]`` maps a head dim to the key count from
+    which fastmax's linear form (p = 2) beat the tiled quadratic form on that moments path ("sweep",
+    "chunked"), for forward-only calls ("fwd") and for training ("fwd+bwd"): the generated
+    crossovers.FROM_KEYS. ``chunked_rows`` is the chunk of the Hopper chunked kernels (0: always the
+    sweep). The sweep's chunk is no choice: its kernels are compiled for build.LINEAR_CHUNK rows."""
 
-    sweep_from_keys: dict = field(default_factory=lambda: {16: 8192, 32: 8192, 64: 32768, 96: 65536, 128: 65536})
-    chunked_from_keys: dict = field(default_factory=lambda: {64: 16384, 128: 32768})
+    from_keys: dict = field(default_factory=lambda: FROM_KEYS)
     chunked_rows: int = 1024
 
 
 TUNING = Tuning()
-# Where each value of TUNING was measured (p = 2, causal forward + backward, bf16, b4 h8, H200).
+# Where each value of TUNING was measured (p = 2, causal, bf16, b4 h8, H200).
 PROVENANCE = {
-    # The smallest measured power of two where the linear form was faster; near-ties (within 3%: d64 at
-    # 16384, d96 at 32768) stay quadratic, which needs a quarter of the memory.
-    "sweep_from_keys": "python benchmark.py --preset fastmax-linear -> bench/results_fastmax-linear.json, "
-                       "bench/runs/2026-11-21_s8_fastmax-crossover.json",
-    "chunked_from_keys": "bench/runs/2026-11-22_s18_fastmax.txt (bench/notes/run-23.md)",
+    "from_keys": "scripts/crossovers.py from " + ", ".join(f for files in SOURCES.values() for f in files),
     # Longer chunks cost more diagonal blocks on the tiled kernel (N L / 2 pairs), shorter ones more
     # state (an image of O(D^3) per chunk).
     "chunked_rows": "python scripts/probes/chunk_rows.py -> bench/runs/2026-11-22_s17_chunk-rows.txt "
@@ -130,17 +127,19 @@ def fastmax_features(head_dim: int, p: int) -> int:
 
 
 def linear_from_keys(head_dim: int, p: int, dtype: torch.dtype, on_kernels: bool,
-                     tuning: Tuning = TUNING) -> tuple[float, str]:
+                     tuning: Tuning = TUNING, forward_only: bool = False) -> tuple[float, str]:
     """(the key count from which form="auto" takes the linear form, why): on the kernels the crossover
-    measured for the path that would carry it (p = 2 only: p = 1 is not measured, so never), on the
-    reference the FLOPs crossover."""
+    measured for the path that would carry it and the call's direction (a forward-only call, such as an
+    evaluation or a prefill, skips the backward that the linear form wins most on; p = 2 only: p = 1 is not
+    measured, so never), on the reference the FLOPs crossover."""
     if not on_kernels:
         return fastmax_features(head_dim, p) + 1, "the reference's FLOPs crossover (keys > features)"
     if p != 2:
         return math.inf, "p = 1's crossover on the kernels is not measured"
-    if chunked_path(dtype, head_dim, tuning) and head_dim in tuning.chunked_from_keys:
-        return tuning.chunked_from_keys[head_dim], f"the chunked kernels' measured crossover ({PROVENANCE['chunked_from_keys']})"
-    return tuning.sweep_from_keys.get(head_dim, math.inf), f"the sweep's measured crossover ({PROVENANCE['sweep_from_keys']})"
+    path = "chunked" if chunked_path(dtype, head_dim, tuning) else "sweep"
+    direction = "fwd" if forward_only else "fwd+bwd"
+    return (tuning.from_keys[path][direction].get(head_dim, math.inf),
+            f"the {path} kernels' measured {direction} crossover ({PROVENANCE['from_keys']})")
 
 
 def key_splits(sms: int, query_blocks: int, keys: int) -> int:
@@ -156,14 +155,16 @@ def key_splits(sms: int, query_blocks: int, keys: int) -> int:
 
 def resolve(*, device: torch.device, dtype: torch.dtype, head_dim: int, keys: int, policy: ScorePolicy,
             backend: str = "auto", form: str = "quadratic", dropout: float = 0.0,
-            tuning: Tuning | None = None, splittable: tuple[int, int] | None = None) -> Plan:
+            tuning: Tuning | None = None, splittable: tuple[int, int] | None = None,
+            forward_only: bool = False) -> Plan:
     """The plan for a call on inputs of this device, dtype and head dim, with ``keys`` keys.
 
     backend="cuda" must run on the kernels or raise NotImplementedError saying why; "auto" takes them
     when they can. form="auto" (fastmax) takes the linear form from linear_from_keys's key count. The
     policy's logits and weights are checked against the dtype the plan computes them in (ValueError).
     ``splittable``: (batch x heads, query rows) of a call whose keys may be split (forward only, not
-    causal, no bias); None: they may not.
+    causal, no bias); None: they may not. ``forward_only``: no gradient will be asked of the call, so
+    form="auto" takes the forward's crossover.
     """
     tuning = tuning or TUNING
     if backend not in BACKENDS:
@@ -189,7 +190,7 @@ def resolve(*, device: torch.device, dtype: torch.dtype, head_dim: int, keys: in
     why.append(("our kernels",) if on_kernels else ("the PyTorch reference: ", reason))
 
     if form == "auto":
-        start, basis = linear_from_keys(head_dim, round(policy.a2 != 0) + 1, dtype, on_kernels, tuning)
+        start, basis = linear_from_keys(head_dim, round(policy.a2 != 0) + 1, dtype, on_kernels, tuning, forward_only)
         if on_kernels and linear_kernels_reason(dtype) is not None:
             form, note = "quadratic", (linear_kernels_reason(dtype),)
         elif dropout > 0:

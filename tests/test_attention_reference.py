@@ -9,8 +9,10 @@ import torch
 
 import attention_cuda
 from attention_cuda import FastMultiHeadAttention, cosine_sim_attention, exp_attention, fastmax_attention
+from attention_cuda.crossovers import FROM_KEYS
 
 F64 = torch.float64
+TRAINING = {path: FROM_KEYS[path]["fwd+bwd"] for path in FROM_KEYS}  # the crossovers of differentiated calls
 
 FAMILIES = {
     # name: (call, brute-force weight function f(x), logit scale, row norm or None, normalise rows)
@@ -286,14 +288,39 @@ def test_bias_shape_and_backend_errors():
 def test_fastmax_crossover_is_the_chunked_kernels_where_they_run(fake_kernels):
     """The key count from which "auto" takes the linear form: the chunked kernels' own crossover where
     they run (Hopper, d64 and d128), the sweep's elsewhere; p = 1 never; the FLOPs crossover without them."""
-    from attention_cuda.plan import TUNING, fastmax_features, linear_from_keys
+    from attention_cuda.plan import fastmax_features, linear_from_keys
     bf16 = torch.bfloat16
-    assert linear_from_keys(64, 2, bf16, True)[0] == TUNING.chunked_from_keys[64] < TUNING.sweep_from_keys[64]
-    assert linear_from_keys(32, 2, bf16, True)[0] == TUNING.sweep_from_keys[32]
+    assert linear_from_keys(64, 2, bf16, True)[0] == TRAINING["chunked"][64] < TRAINING["sweep"][64]
+    assert linear_from_keys(32, 2, bf16, True)[0] == TRAINING["sweep"][32]
     assert linear_from_keys(64, 1, bf16, True)[0] == math.inf
     assert linear_from_keys(64, 2, bf16, False)[0] == fastmax_features(64, 2) + 1
+    # A forward-only call (an evaluation, a prefill) skips the backward that the linear form wins most on.
+    assert linear_from_keys(64, 2, bf16, True, forward_only=True)[0] == FROM_KEYS["chunked"]["fwd"][64] > TRAINING["chunked"][64]
     fake_kernels.chunked = ()  # an sm_80 GPU
-    assert linear_from_keys(128, 2, bf16, True)[0] == TUNING.sweep_from_keys[128]
+    assert linear_from_keys(128, 2, bf16, True)[0] == TRAINING["sweep"][128]
+
+
+def test_a_forward_only_call_takes_the_forward_crossover(fake_kernels, monkeypatch):
+    """A call that will not be differentiated (no_grad, or no input asks for a gradient) is planned as
+    forward-only; between the training and the forward crossovers "auto" then keeps the tiled quadratic
+    form, which is faster there without the backward that the linear form wins most on."""
+    from attention_cuda import functional
+    from attention_cuda.score import poly_policy
+    plans = importlib.import_module("attention_cuda.plan")  # the module, which the package's plan() shadows
+    asked = []
+    monkeypatch.setattr(functional, "resolve", lambda **kw: asked.append(kw["forward_only"]) or plans.resolve(**kw))
+    q = torch.zeros(1, 1, 8, 16, requires_grad=True)
+    fastmax_attention(q, q, q, causal=True)
+    with torch.no_grad():
+        fastmax_attention(q, q, q, causal=True)
+    fastmax_attention(q.detach(), q.detach(), q.detach(), causal=True)
+    assert asked == [False, True, True]
+    keys = TRAINING["chunked"][64]
+    forms = [plans.resolve(device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=64, keys=keys,
+                           policy=poly_policy(**FASTMAX), form="auto", forward_only=forward_only)
+             for forward_only in (False, True)]
+    assert [p.form for p in forms] == ["linear", "quadratic"] and "fwd crossover" in str(forms[1])
+    assert plans.TUNING.from_keys is FROM_KEYS
 
 
 FASTMAX = dict(p=2, a0=1.0, a1=1.0, a2=0.5, temperature=1.0, normalize=False, lim=1.0)
@@ -363,19 +390,19 @@ def test_fastmax_auto_form_on_the_kernels_follows_the_measured_crossover(fake_ke
     whose limits raise; keys that fit one chunk run as one tiled block. Each decision says why."""
     from attention_cuda import build
     from attention_cuda.plan import TUNING
-    cross = TUNING.sweep_from_keys[16]
+    cross = TRAINING["sweep"][16]
     assert fastmax_plan(cross - 1).form == "quadratic"
     linear = fastmax_plan(cross)
     assert (linear.backend, linear.form, linear.path, linear.chunk) == ("cuda", "linear", "sweep", build.LINEAR_CHUNK)
-    assert "measured crossover" in str(linear) and "bench/" in str(linear)
+    assert "measured fwd+bwd crossover" in str(linear) and "bench/" in str(linear)
     assert fastmax_plan(cross, backend="cuda").form == "linear"
     assert fastmax_plan(cross, p=1, a2=0.0, normalize=True).form == "quadratic"  # p = 1: not measured
     assert fastmax_plan(cross, dtype=torch.float32).form == "quadratic"  # no fp32 linear kernel
-    chunked = fastmax_plan(2 * TUNING.chunked_from_keys[64], head_dim=64)
+    chunked = fastmax_plan(2 * TRAINING["chunked"][64], head_dim=64)
     assert (chunked.path, chunked.chunk) == ("chunked", TUNING.chunked_rows)
     small = fastmax_plan(100, backend="cuda", form="linear")
     assert (small.form, small.path) == ("quadratic", "tiled") and "fit one sweep chunk" in str(small)
-    tuned = fastmax_plan(2 * TUNING.chunked_from_keys[64], head_dim=64, tuning=attention_cuda.Tuning(chunked_rows=0))
+    tuned = fastmax_plan(2 * TRAINING["chunked"][64], head_dim=64, tuning=attention_cuda.Tuning(chunked_rows=0))
     assert tuned.path == "sweep"
     with pytest.raises(NotImplementedError, match="float16 and bfloat16"):
         fastmax_plan(cross, dtype=torch.float32, backend="cuda", form="linear")
