@@ -354,8 +354,10 @@ class CapturedStep:
     small kernels, and launching them one by one costs more than running them at batch 1
     (bench/notes/run-34.md). A cache's step launches the same work at every position (DecodeCache), so
     one recording serves every later step. Record it after the prefill and an eager step or two, which
-    load what the step calls (capture cannot); each call is then one step, like model(idx, cache=cache),
-    returning logits in a buffer the next call overwrites. CUDA only."""
+    load what the step calls (capture cannot), and replay it inside the autocast context it was recorded
+    in (autocast's cast weights, cached until that context ends, are part of the recording); each call is
+    then one step, like model(idx, cache=cache), returning logits in a buffer the next call overwrites.
+    CUDA only."""
 
     def __init__(self, model: GPT, cache: DecodeCache, batch: int):
         self.cache = cache
