@@ -134,6 +134,41 @@ def test_past_seq_len_the_cache_keeps_the_last_seq_len_positions_at_their_own_ro
         model.new_cache(0)
 
 
+@pytest.mark.parametrize("attention", ["softmax", "cosine", "fastmax"])
+def test_a_decode_step_does_the_same_work_at_every_position(attention):
+    """A step's operations and their shapes do not depend on its position (the position is a device tensor,
+    the ring is read whole behind a mask, states change in place), before the ring wraps and after: what
+    lets CapturedStep record one step and replay it at every later position."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_map
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # tensors by their shapes, everything else (a slice's start, say) as it is, NaN as a word (NaN != NaN)
+            seen = tree_map(lambda a: tuple(a.shape) if isinstance(a, torch.Tensor) else "nan" if a != a else a,
+                            (args, kwargs))
+            self.ops.append((str(func), seen))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = GPT(tiny(attention=attention, short_conv=3)).eval()
+    data = torch.randint(0, 256, (2, 40))
+    cache = model.new_cache(40)
+    steps = []
+    with torch.no_grad():
+        model(data[:, :5], cache=cache)
+        for t in range(5, 40):
+            byte = data[:, t:t + 1]
+            with Record() as record:
+                model(byte, cache=cache)
+            steps.append(record.ops)
+    assert steps[0] and all(ops == steps[0] for ops in steps)  # positions 5 .. 39; seq_len 16: the ring wraps
+
+
 def test_the_fastmax_state_after_a_prefill_is_the_state_built_byte_by_byte_and_its_size_stays():
     torch.manual_seed(0)
     model = GPT(tiny(attention="fastmax")).eval()
