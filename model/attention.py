@@ -20,11 +20,10 @@ from attention_cuda import cosine_sim_attention, fastmax_attention, fastmax_mome
 from attention_cuda.plan import fastmax_features
 
 
-def rope_tables(seq_len: int, head_dim: int, base: float, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotation angles of positions start .. start + seq_len - 1, (seq_len, head_dim / 2)
-    in fp32."""
+def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles of positions 0 .. seq_len - 1, (seq_len, head_dim / 2) in fp32."""
     inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(start, start + seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
     return angles.cos().float(), angles.sin().float()
 
 

@@ -44,9 +44,9 @@ def measure(model: GPT, context: int, batch: int, new_bytes: int, no_cache: bool
     with torch.no_grad(), autocast:
         model(data[:, :context - steps], cache=cache)
 
-        def step(_=None, run=model):
+        def step(_=None, run=lambda idx: model(idx, cache=cache)):
             t = next(position)
-            run(data[:, t:t + 1], cache=cache)
+            run(data[:, t:t + 1])
 
         times = time_ms(step, 1, 0, new_bytes, device.type)
         row = {"context": context, "batch": batch, "ms_per_byte": statistics.median(times)}
@@ -55,7 +55,7 @@ def measure(model: GPT, context: int, batch: int, new_bytes: int, no_cache: bool
         if graph:
             captured = CapturedStep(model, cache, batch)
             row["graph_ms_per_byte"] = statistics.median(
-                time_ms(lambda _: step(run=lambda idx, cache: captured(idx)), 1, 0, new_bytes, device.type))
+                time_ms(lambda _: step(run=captured), 1, 0, new_bytes, device.type))
         row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         if no_cache:
             row["no_cache_ms_per_byte"] = statistics.median(time_ms(lambda _: model(data), 1, 1, 3, device.type))
