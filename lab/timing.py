@@ -72,7 +72,8 @@ def profile_ops(step, steps: int, device: str, top: int = 12) -> dict:
     rows.sort(key=lambda r: -r[2])
     by_category = {}
     for name, _, ms in rows:
-        by_category[category(name)] = by_category.get(category(name), 0.0) + ms
+        cat = category(name)
+        by_category[cat] = by_category.get(cat, 0.0) + ms
     return {"wall_ms": wall_ms, "busy_ms": sum(ms for _, _, ms in rows),
             "categories": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
             "top": [{"name": name[:120], "calls": calls, "ms": ms} for name, calls, ms in rows[:top]]}

@@ -123,7 +123,7 @@ class KVCache:
 
     def __init__(self, capacity: int, attend_all, unit_rows: bool = False):
         self.capacity, self.attend_all, self.unit_rows = capacity, attend_all, unit_rows
-        self.k = self.v = None
+        self.k = self.v = self.slots = None
 
     def add(self, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor) -> None:
         """Store k, v (B, Hkv, t, D) of positions position .. position + t - 1 (position: (1,) on the device)."""
@@ -131,13 +131,14 @@ class KVCache:
             k = unit(k)
         if self.k is None:  # zeros, not garbage, behind the mask (kept out of every product either way)
             self.k, self.v = (x.new_zeros(*x.shape[:2], self.capacity, x.shape[-1]) for x in (k, v))
+            self.slots = torch.arange(self.capacity, device=k.device)
         slots = (position + torch.arange(k.shape[2], device=k.device)) % self.capacity
         self.k.index_copy_(2, slots, k.to(self.k.dtype))
         self.v.index_copy_(2, slots, v.to(self.v.dtype))
 
     def read(self, q: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """q (B, H, 1, D), the query at position, over every cached position up to it."""
-        written = torch.arange(self.capacity, device=q.device) <= position  # all of them once it wraps
+        written = self.slots <= position  # all of them once it wraps
         keep = written.expand(q.shape[0], self.capacity)
         return self.attend_all(unit(q) if self.unit_rows else q, self.k, self.v, mask=keep)
 
