@@ -8,8 +8,9 @@ with several seeds on one budget, and a report of what that shows (make compare)
         --seeds 1,2 --steps 20 --tokens-per-step 256 --lrs 2e-3 --recall-seq-lens "" -- --n_layer 1   # CPU smoke
 
 Every run is `python train.py` (study/jobs.py writes its flags), from a shared queue over the GPUs
-(study/runner.py; a grid run has its GPU alone, sweep and recall runs share one --runs-per-gpu at a time): first a learning-rate sweep at the shortest context, then every variant x context x seed
-at the rate its sweep chose (each evaluated again at twice its context), then the associative-recall probe.
+(study/runner.py; a grid run has its GPU alone, sweep and recall runs share one --runs-per-gpu at a time):
+first a learning-rate sweep at the shortest context, then every variant x context x seed at the rate its
+sweep chose (each evaluated again at twice its context), then the associative-recall probe.
 A run with a result is not run again, so the same command after a stop (--time-limit, a crash, a killed
 machine) goes on where it was. The report (study/report.py) goes to --out: report.md, PNG plots and
 results.json with every run. All runs log to one wandb group (offline where there is no login: `wandb sync`).
