@@ -482,9 +482,10 @@ def study(src: Sources, link: Link) -> list[str]:
                    f"over seeds {', '.join(map(str, p['seeds']))}, and training tokens/s (median run) per context. "
                    f"Every run {p['steps']} steps of {thousands(p['tokens_per_step'])} tokens at its attention's "
                    f"swept rate, {p['config']}, on {'the verified enwik8' if p['data_path'] is None else 'the 4 MB enwik8 prefix'}. "
-                   + f"The best val bpc at {thousands(shortest)} is {best:.2f}, where models of this size reach "
-                     f"about 1.1-1.3 trained to convergence: this compares early training, in which the longer "
-                     f"contexts, seeing fewer windows a step, are behind. "
+                   + f"The best val bpc at {thousands(shortest)} is {best:.2f} (models of this size reach about "
+                     f"1.1-1.3 on the full enwik8, trained to convergence). On one token budget the longer contexts "
+                     f"train on fewer sequences a step and under-fit (their train bpc is higher too): the report's "
+                     f"\"What it does not show\" says what this comparison cannot settle. "
                    + f"Source: {link(STUDY)}, `{data['command']}` ({data['hardware']}).")
     except (KeyError, TypeError, ZeroDivisionError) as e:
         raise TableError(f"{STUDY}: not a compare.py study file ({e!r})") from e

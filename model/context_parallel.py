@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from attention_cuda.plan import kernels_reason
 from attention_cuda.reference import chunk_rows, expand_kv, key_moment, safe_divide, scale_rows, score_dtype
 from attention_cuda.score import cosine_policy, poly_policy
 
@@ -243,9 +244,10 @@ def cosine_ring_attention(q, k, v, group=None, *, causal: bool, scale: float = 1
     _check_slices(q, k, v, zigzag)
     if backend not in BLOCKS:
         raise ValueError(f"backend: expected one of {tuple(BLOCKS)}, got {backend!r}")
-    if backend == "cuda" and (q.device.type != "cuda" or q.dtype == torch.float64):
-        raise ValueError(f"backend: 'cuda' runs our kernels on fp16, bf16 or fp32 CUDA tensors, got {q.dtype} on "
-                         f"{q.device}")
+    # kernels_reason also loads the ops, which a process that has not called the kernels yet lacks.
+    reason = kernels_reason(q.device, q.dtype, q.shape[-1]) if backend == "cuda" else None
+    if reason is not None:
+        raise ValueError(f"backend: 'cuda' cannot run these inputs: {reason}")
     work = torch.promote_types(q.dtype, torch.float32) if backend == "torch" else q.dtype
     cosine_policy(scale, True).check_range(torch.promote_types(work, torch.float32))
     ring = _Ring(dist.group.WORLD if group is None else group)

@@ -6,12 +6,14 @@ about a 95% test under a normal model with so few seeds, and said to be within n
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from data.enwik8 import ENWIK8_SIZE, split_sizes
 from model.variants import VARIANTS
 
 QUALITY_FLOOR_BPC = 2.0  # a model of this size that learned anything is well below it on enwik8
@@ -127,6 +129,55 @@ class Report:
                 verdict += f"; evaluated at twice the context it {word} (bpc x{ratio:.2f})"
             lines.append(f"- **{label}**: {verdict}.")
         return lines + [line for t in p.seq_lens if (line := self.between(t))]
+
+    def limits(self) -> list[str]:
+        """What the runs cannot say, from how they were made: the budget's trade of samples for context, the
+        rate chosen at one context, under-fitting at the long one, the few windows behind the long positions,
+        and variants that differ only in how the same function is computed."""
+        p = self.p
+        short, long = min(p.seq_lens), max(p.seq_lens)
+        lines = [f"- Every run has {p.steps} steps of {p.tokens_per_step:,} tokens, so a {long:,}-byte run trains on "
+                 f"{max(1, p.tokens_per_step // long):,} sequence(s) a step against {p.tokens_per_step // short:,} at "
+                 f"{short:,}: a longer context trades independent samples for context. \"Helps\" and \"hurts\" above "
+                 "hold at this budget; they do not say how the attentions compare at convergence, or on a budget "
+                 "that grows with the context.",
+                 f"- Each attention's learning rate was chosen at {short:,} bytes and kept at every context; the "
+                 "longer contexts, with fewer sequences a step, may want another."]
+        under = []
+        for v in p.variants:
+            a, b = self.cell(v, short, "train_bpc"), self.cell(v, long, "train_bpc")
+            d, se = differs(a, b)
+            if spread(a)[2] > 1 and spread(b)[2] > 1 and d > 2 * se:
+                under.append(f"{VARIANTS[v].label} {spread(b)[0]:.2f} against {spread(a)[0]:.2f}")
+        if under:
+            lines.append(f"- The train bpc rises with the context too ({'; '.join(under)}, at {long:,} and {short:,} "
+                         "bytes): the long-context models fit their training data less in the same steps, so their "
+                         "higher val bpc is under-fitting, not memorising. The runs do not separate what an attention "
+                         "could do with a long context from how fast it learns under this recipe.")
+        windows = p.eval_tokens // long
+        if p.data_path is None or Path(p.data_path).is_file():
+            windows = min(windows, split_sizes(ENWIK8_SIZE if p.data_path is None
+                                                else Path(p.data_path).stat().st_size)[1] // long)
+        if windows < 32:
+            lines.append(f"- At {long:,} bytes the val bpc by position averages {windows} window(s): each position "
+                         "past the first few thousand is measured on the same few stretches of text, so the "
+                         "curve's shape there also reflects which text lies there.")
+        for a, b in itertools.combinations(p.variants, 2):
+            if dict(VARIANTS[a].settings)["attention"] == dict(VARIANTS[b].settings)["attention"]:
+                gaps = [abs(spread(self.cell(a, t, "val_bpc"))[0] - spread(self.cell(b, t, "val_bpc"))[0])
+                        for t in p.seq_lens]
+                gaps = [g for g in gaps if not math.isnan(g)]
+                if gaps:
+                    lrs = [self.lr_of(x) for x in (a, b)]
+                    lines.append(f"- {VARIANTS[a].label} and {VARIANTS[b].label} compute the same function; what "
+                                 f"separates them (up to {max(gaps):.3f} bpc here) is how it is computed and rounded, "
+                                 + (f"the rates the sweep chose ({lrs[0]:g} and {lrs[1]:g}), " if lrs[0] != lrs[1]
+                                    else "") + "and the seeds, not a difference in what the model can learn.")
+        return lines
+
+    def lr_of(self, variant: str) -> float | None:
+        """The rate the variant's grid runs used."""
+        return next((r["lr"] for r in self.results if r["phase"] == "grid" and r["variant"] == variant), None)
 
     def between(self, seq_len: int) -> str | None:
         """The attentions side by side at one context: the lowest val bpc, and which others are behind it by
@@ -383,7 +434,8 @@ class Report:
             lines += [f"**Incomplete:** {len(missing)} of {len(self.jobs)} runs have no result yet (a later "
                       "`make compare` with the same options goes on): " + ", ".join(missing[:12])
                       + (" ..." if len(missing) > 12 else ""), ""]
-        lines += ["## What the data says", "", *self.conclusions(), "", *self.tables(), ""]
+        lines += ["## What the data says", "", *self.conclusions(), "", "## What it does not show", "",
+                  *self.limits(), "", *self.tables(), ""]
         for name in self.plots(out):
             lines += [f"![{name[:-4].replace('_', ' ')}]({name})", ""]
         if failed:

@@ -200,11 +200,30 @@ def test_the_report_from_results_says_what_they_support(tmp_path):
     assert "| cosine (PyTorch reference) | 0.327 ± 0.540, 1/3 learned |" in md
     assert (out / "recall.png").read_bytes().startswith(PNG_MAGIC)
     assert "Quality floor not met" not in md and "**Incomplete:**" not in md
+    assert "The train bpc rises" not in md and "compute the same function" not in md
     for name in ("val_bpc_by_context", "bpc_by_position", "extrapolation", "throughput_memory"):
         assert (out / f"{name}.png").read_bytes()[:8] == PNG_MAGIC
         assert f"]({name}.png)" in md
     saved = json.loads((out / "results.json").read_text())
     assert len(saved["runs"]) == len(results) and saved["protocol"]["seeds"] == [1, 2, 3]
+
+
+def test_the_report_says_what_its_runs_cannot_show(tmp_path):
+    """The budget and rate caveats always; under-fitting where the train bpc rises with the context; the few
+    windows behind the long positions; and two ways of computing one function named as such."""
+    p = protocol(variants=("cosine-sdpa", "cosine-kernel"), seq_lens=(32, 1024), lrs=(1e-3,), eval_tokens=4096)
+    results = [fake_result("grid", v, t, seed, 1e-3, (1.8 if t == 32 else 2.2) + (v == "cosine-kernel") / 10
+                           + seed / 100) for v in p.variants for t in p.seq_lens for seed in p.seeds]
+    Report(p, results, [], "CPU", "python compare.py", 123456).write(tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    limits = md.split("## What it does not show")[1].split("\n\n")[1]
+    assert "a 1,024-byte run trains on 1 sequence(s) a step against 8 at 32" in limits
+    assert "learning rate was chosen at 32 bytes and kept at every context" in limits
+    assert ("The train bpc rises with the context too (cosine (SDPA, cuDNN, on l2-normalised q, k) 2.17 against "
+            "1.77; cosine (our kernels) 2.27 against 1.87, at 1,024 and 32 bytes)") in limits
+    assert "At 1,024 bytes the val bpc by position averages 4 window(s)" in limits
+    assert ("cosine (SDPA, cuDNN, on l2-normalised q, k) and cosine (our kernels) compute the same function; what "
+            "separates them (up to 0.100 bpc here) is how it is computed and rounded, and the seeds") in limits
 
 
 @pytest.mark.slow
