@@ -1,5 +1,6 @@
 """Context parallelism at the attention level: 2 and 4 CPU processes over gloo, each holding its slice of
 one sequence, give the single-process reference's outputs and gradients, in plain and zigzag order."""
+import dataclasses
 import functools
 
 import pytest
@@ -79,6 +80,36 @@ def check_kernel_ring(rank: int, world: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda t: str(t).split(".")[-1])
 def test_the_cosine_ring_on_our_kernels_meets_the_error_rule(dtype, tmp_path):
     spawn_group(check_kernel_ring, 2, tmp_path / "store", dtype, backend="nccl")
+
+
+def check_model_on_gpus(rank: int, world: int, family: str) -> None:
+    """The loss of a 2-layer model of the base width at 8192 bytes, bf16 autocast on our kernels, summed over
+    the group's shares, against float64 on one GPU: within twice the error of the same model in bf16 on one
+    GPU, plus a small atol (the loss is a mean over 8192 positions, so its rounding partly cancels)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_head=8, n_embd=512, seq_len=8192, attention=family, use_cuda_kernel=True)
+    model = GPT(cfg).cuda()
+    exact = GPT(dataclasses.replace(cfg, use_cuda_kernel=False)).cuda().double()
+    exact.load_state_dict(model.state_dict())
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x, y = (torch.randint(0, 256, (1, 8192), generator=gen, device="cuda") for _ in range(2))
+    with torch.no_grad():
+        reference = exact(x, y)[1].item()
+        with torch.autocast("cuda", torch.bfloat16):
+            single = model(x, y)[1].item()
+            model.set_context_group(dist.group.WORLD)
+            share = model(x, y)[1].float()
+    dist.all_reduce(share)
+    err, err_single = abs(share.item() - reference), abs(single - reference)
+    assert err <= 2 * err_single + 1e-3 * reference, (f"{family} rank {rank}: context-parallel loss {share.item():.6f}, "
+                                                      f"one GPU {single:.6f}, float64 {reference:.6f}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="context parallelism over NCCL needs 2 GPUs")
+@pytest.mark.parametrize("family", ["cosine"])
+def test_the_model_on_two_gpus_gives_the_one_gpu_loss(family, tmp_path):
+    spawn_group(check_model_on_gpus, 2, tmp_path / "store", family, backend="nccl")
 
 
 def tiny_model(family: str) -> GPT:
