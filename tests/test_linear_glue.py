@@ -50,3 +50,9 @@ def test_the_linear_form_s_glue_gives_the_reference_s_outputs_and_gradients(caus
     for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
         torch.testing.assert_close(g.double(), e, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
+
+def test_an_exchange_needs_the_chunked_kernels():
+    q = torch.zeros(1, 2, 8, 8)
+    with pytest.raises(ValueError, match="exchange: .* expected chunked=True"):
+        _kernels.linear_attention(q, q, q, None, True, poly_policy(**DEFAULTS), torch.bfloat16, 128, False,
+                                  exchange=object())
