@@ -1,7 +1,8 @@
 """Stand-ins for the ops that fastmax's linear form runs on the chunked kernels (attn_cuda::lin_rows, lin_state,
 lin_read, lin_out, lin_g, lin_grad, and fwd and bwd on its diagonal blocks): float64 PyTorch on any device that
 follows each op's contract as csrc/binding/binding.cpp and csrc/linear/params.h state it, so that the Python
-glue around them (attention_cuda._kernels._LinearAttention) runs on a CPU.
+glue around them (attention_cuda._kernels._LinearAttention, and its exchange between the ranks of a context
+group) runs on a CPU.
 
 They check the glue, not the kernels: nothing is rounded to fp16/bf16, no size limit is enforced (chunks of
 any multiple of 8 rows, say), and an image is the state itself, float64 (B, Hkv, images, F, D + 16) with

@@ -1,7 +1,7 @@
 """The linear form's glue around the chunked kernels (attention_cuda._kernels._LinearAttention: rows in and out,
 moments, the diagonal blocks, g and its scale, the values' mean) on the kernels' stand-ins (kernel_standins: each
 op's contract in float64 PyTorch), on a CPU, against the float64 reference. The kernels themselves are
-tests/test_cuda_linear.py's (GPU)."""
+tests/test_cuda_linear.py's (GPU); the same glue across the ranks of a context group, test_context_parallel.py's."""
 import functools
 
 import pytest
