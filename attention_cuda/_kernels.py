@@ -104,7 +104,7 @@ def split_keys(q, k, v, mask, policy: ScorePolicy, dtype: torch.dtype, splits: i
 
 
 def linear_attention(q, k, v, mask, causal: bool, policy: ScorePolicy, dtype: torch.dtype, chunk: int,
-                     chunked: bool) -> torch.Tensor:
+                     chunked: bool, exchange=None) -> torch.Tensor:
     """Fastmax in its linear form on the kernels: moments carried over chunks of ``chunk`` rows (fp32) on
     the chunked kernels or the sweep, each chunk's own causal block on the tiled quadratic kernel. Same
     contract as ``attention``; more keys than one chunk holds (plan.resolve sees to it).
@@ -112,7 +112,14 @@ def linear_attention(q, k, v, mask, causal: bool, policy: ScorePolicy, dtype: to
     The moments cost O(D^3) per token (p = 2) and no N: it wins over the quadratic form at long N.
     The temperature rides in the coefficients (f(s x) = a0 + a1 s x + a2 s^2 x^2); normalisation, when
     asked for, is differentiable PyTorch in front of the op.
+
+    ``exchange``: these rows are one rank's slice of a sequence split over a context group, whose other
+    ranks' keys these queries see too (model.context_parallel's _RankStates; None: a single process). It
+    needs the chunked kernels, whose state images are what the ranks exchange (see _LinearAttention).
     """
+    if exchange is not None and not chunked:
+        raise ValueError("exchange: the ranks exchange the chunked kernels' state images; the sweep keeps its "
+                         "state in registers, so expected chunked=True")
     q, k, v = (t.to(dtype) for t in (q, k, v))
     if policy.qk_norm is not None:
         q, k = (scale_rows(x.float(), policy.qk_norm).to(dtype) for x in (q, k))
@@ -122,7 +129,7 @@ def linear_attention(q, k, v, mask, causal: bool, policy: ScorePolicy, dtype: to
     front = k.shape[2] - q.shape[2] if causal else 0
     mask = None if mask is None else mask.contiguous()
     return _LinearAttention.apply(q, k, v, mask, causal, policy.coef, policy.scale,
-                                  max(front, 0), max(-front, 0), chunk, chunked)
+                                  max(front, 0), max(-front, 0), chunk, chunked, exchange)
 
 
 class _LinearAttention(torch.autograd.Function):
@@ -136,10 +143,22 @@ class _LinearAttention(torch.autograd.Function):
     blocks from attn_cuda::bwd, which given the final O and 1/l computes exactly their share. The moments
     take the values shifted by their mean mu (lin_out adds mu l back), and g's last column as
     -(dO . (O - mu)) / l (see backward).
+
+    With an exchange (one rank's slice of a sequence; linear_attention) the other ranks' keys add to y
+    before lin_out, so that out and 1/l are the whole row's, which is all the backward's pieces need to
+    give their exact share. Forward: the state of this rank's keys, all chunks (a non-causal image), goes
+    out to the ranks whose queries see them, and each incoming image (the earlier ranks': the exclusive
+    prefix, read image by image rather than summed, since images do not add) is read by every chunk
+    (R1). Backward, its reverse: dq also reads the incoming images against g (R2); the moments of
+    psi(q) g^T over all this rank's rows go back to the ranks whose keys these queries saw, and the
+    images that come back from the ranks that saw this rank's keys are read by its keys like the
+    reverse moments (R1: dv, R2: dk). The ranks agree on one mu (the mean over all their keys), so that
+    every image holds the same v - mu; g's scale is each rank's own, so an incoming image's reads are
+    brought to this rank's (both powers of two). No K or V leaves its rank.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, causal, coefs, scale, shift_q, shift_k, chunk, chunked):
+    def forward(ctx, q, k, v, mask, causal, coefs, scale, shift_q, shift_k, chunk, chunked, exchange):
         ops = torch.ops.attn_cuda
         b, h, i, d = q.shape
         hkv, j = k.shape[1], k.shape[2]
@@ -155,12 +174,19 @@ class _LinearAttention(torch.autograd.Function):
         # to 1, so any constant mu may come off both: v_s - mu and O - mu, with mu the mean value of the
         # visible keys per (batch, kv head). The forward's moments take the same v - mu, so that the
         # backward can read their state again; the diagonal blocks keep v as given.
-        mu = _value_mean(v, mask)
+        mu = _value_mean(v, mask, exchange)
         mu_h = mu.repeat_interleave(h // hkv, dim=1).contiguous()
         vs = ops.lin_rows(v, mask, mu, shift_k, n_pad, d + 16, chunk)
         cr = [coefs[0], coefs[1] * scale, coefs[2] * scale * scale]  # the query side's, temperature included
-        y, _, state = _moments(chunked, kc, vs, qc, None, 1, h // hkv, causal, False, coefs[2] != 0, [1.0, 1.0, 1.0],
-                               cr, d + 1)
+        second, group = coefs[2] != 0, h // hkv
+        sent, ctx.seen = None, []  # ctx.seen: (image, scale) of each rank whose keys these queries see
+        if exchange is not None:
+            # This rank's keys, whole, for the ranks whose queries see them: sent while the local work runs.
+            # Without causal the local moments are that same state.
+            sent = _state(kc, vs, 1, False, False, second, cr)
+            incoming = exchange.states(*sent)
+        y, _, state = _moments(chunked, kc, vs, qc, None, 1, group, causal, False, second, [1.0, 1.0, 1.0], cr, d + 1,
+                               None if causal else sent)
         # The backward's dq reads this state again. Kept where its image is at most twice the rows saved
         # anyway (d64: 504 bytes per key and head, against 480), else computed again there (d128: 2940
         # against 864).
@@ -173,9 +199,14 @@ class _LinearAttention(torch.autograd.Function):
             keep = torch.ones(b, j, dtype=torch.bool, device=q.device) if mask is None else mask
             keep_c = torch.nn.functional.pad(keep, (shift_k, n_pad - j - shift_k)).view(-1, chunk)
             diag = ops.fwd(*_diagonal(qc, kc, vc), keep_c, None, True, "poly", scale, None, coefs, True)[:2]
+        if exchange is not None:
+            ctx.seen = incoming.wait()
+        for image, image_scale in ctx.seen:
+            y += ops.lin_read(qc, None, image, group, second, d + 1, image_scale)[0]
         out, inv_l = ops.lin_out(y, *diag, mu_h, shift_q, i, q.dtype)
         ctx.save_for_backward(mask, qc, kc, vc, vs, keep_c, out, inv_l, mu_h, *(state or (None, None)))
         ctx.args = (causal, coefs, scale, cr, shift_q, shift_k, j, chunked)
+        ctx.exchange = exchange
         return out
 
     @staticmethod
@@ -196,9 +227,25 @@ class _LinearAttention(torch.autograd.Function):
         cmax = qmax.clamp_min(1.0).reshape(1)
         g, gscale = ops.lin_g(dout, out, inv_l, mu_h, cmax, shift_q)
         state = None if state[0] is None else tuple(state)
+        sent = None
+        if ctx.exchange is not None:
+            # The moments of psi(q) g^T over all this rank's rows, for the ranks whose keys these queries saw:
+            # sent while the local work runs. Without causal the local reverse moments are that same state.
+            sent = _state(qc, g, group, False, True, second, cr)
+            returned = ctx.exchange.gradients(*sent, gscale)
         # [1] and [:2]: an image made here is freed once read (holding dq's through dk's costs 1.5 GiB at d128).
         dq = _moments(chunked, kc, vs, qc, g, 1, group, causal, False, second, [1.0, 1.0, 1.0], cr, 0, state)[1]
-        dv, dk = _moments(chunked, qc, g, kc, vs, group, 1, causal, True, second, cr, [1.0, 1.0, 1.0], d)[:2]
+        for image, image_scale in ctx.seen:
+            dq += ops.lin_read(qc, g, image, group, second, 0, image_scale)[1]
+        dv, dk = _moments(chunked, qc, g, kc, vs, group, 1, causal, True, second, cr, [1.0, 1.0, 1.0], d,
+                          None if causal else sent)[:2]
+        if ctx.exchange is not None:
+            # (image, scale, g's scale) of each rank whose queries saw these keys
+            for image, image_scale, their_gscale in returned.wait():
+                r1, r2 = ops.lin_read(kc, vs, image, 1, second, d, image_scale)
+                to_ours = their_gscale / gscale  # their g's scale to ours: a ratio of powers of two, exact
+                dv += r1 * to_ours
+                dk += r2 * to_ours
         diag = (None, None, None)
         if causal:
             rows = (b * n_pad // chunk, h, chunk, d)
@@ -208,17 +255,21 @@ class _LinearAttention(torch.autograd.Function):
                            False)[:3]
         return (ops.lin_grad(dq, gscale, diag[0], shift_q, i, d, out.dtype),
                 ops.lin_grad(dk, gscale, diag[1], shift_k, j, d, out.dtype),
-                ops.lin_grad(dv, gscale, diag[2], shift_k, j, d, out.dtype), *([None] * 8))
+                ops.lin_grad(dv, gscale, diag[2], shift_k, j, d, out.dtype), *([None] * 9))
 
 
-def _value_mean(v, mask):
+def _value_mean(v, mask, exchange=None):
     """The mean value of the keys the mask keeps, per (batch, kv head): fp32 (B, Hkv, D). Any constant
     would do (see _LinearAttention), so non-finite entries are left out rather than let one garbage value
-    reach every row through it; masked ones are selected away, not multiplied by 0 (0 * NaN is NaN)."""
+    reach every row through it; masked ones are selected away, not multiplied by 0 (0 * NaN is NaN).
+    With an exchange, over every rank's keys: the ranks' states must all hold the same v - mu."""
     keep = torch.isfinite(v)
     if mask is not None:
         keep = keep & mask[:, None, :, None]
-    return torch.where(keep, v, 0).sum(2, dtype=torch.float32) / keep.sum(2).clamp_min(1)
+    sums, counts = torch.where(keep, v, 0).sum(2, dtype=torch.float32), keep.sum(2, dtype=torch.float32)
+    if exchange is not None:
+        sums, counts = exchange.total(torch.stack([sums, counts]))
+    return sums / counts.clamp_min(1)
 
 
 def _diagonal(qc, kc, vc):
@@ -241,10 +292,15 @@ def _moments(chunked, ux, uw, rx, rg, upd, rd, causal, reverse, second, cu, cr, 
         r1_tiles = -(-r1_cols // 16)
         return (*ops.linear(ux, uw, rx, rg, upd, rd, causal, reverse, second, cu, cr, r1_tiles, rg is not None), None)
     if state is None:
-        coef = [a * b for a, b in zip(cu, cr)]
-        scale = _image_scale(ux, uw, upd, coef)
-        state = (ops.lin_state(ux, uw, upd, causal, reverse, second, coef, scale), scale)
+        state = _state(ux, uw, upd, causal, reverse, second, [a * b for a, b in zip(cu, cr)])
     return (*ops.lin_read(rx, rg, state[0], rd, second, r1_cols, state[1]), state)
+
+
+def _state(ux, uw, upd, causal, reverse, second, coef):
+    """(S's image, its scale) on the chunked kernels: the moments of phi(ux) uw^T as _moments describes them,
+    coef both sides' coefficients multiplied."""
+    scale = _image_scale(ux, uw, upd, coef)
+    return torch.ops.attn_cuda.lin_state(ux, uw, upd, causal, reverse, second, coef, scale), scale
 
 
 def _image_scale(ux, uw, upd, coef):

@@ -3,8 +3,8 @@ process group, each rank holding q (B, H, T, D) and k, v (B, Hkv, T, D) of its o
 
 Cosine-sim runs as ring attention: K/V blocks travel from rank to rank and each rank adds their share to its
 queries' sums. Fastmax never moves K/V: its linear form needs only the fixed-size moments state of the keys
-before a slice, a prefix sum of the ranks' states (as LASP does). The per-block math is the pure-PyTorch
-reference; docs/context_parallel.md says what the GPU path still needs.
+before a slice, a prefix sum of the ranks' states (as LASP does). Both run on the pure-PyTorch reference or on
+our kernels (``backend``); docs/context_parallel.md says how, and what the GPUs still have to show.
 
 Layout: the sequence is cut into chunks of equal length. In plain order rank r holds chunk r of W; in
 zigzag order it holds chunks r and 2W-1-r of 2W, so that under causal attention every rank does the same
@@ -22,7 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from attention_cuda.plan import kernels_reason
+from attention_cuda._kernels import linear_attention
+from attention_cuda.plan import TUNING, Tuning, chunked_path, kernels_reason, linear_kernels_reason, run_dtype
 from attention_cuda.reference import chunk_rows, expand_kv, key_moment, safe_divide, scale_rows, score_dtype
 from attention_cuda.score import cosine_policy, poly_policy
 
@@ -257,11 +258,19 @@ def cosine_ring_attention(q, k, v, group=None, *, causal: bool, scale: float = 1
     return out.to(q.dtype)
 
 
+def _gather(tensors, group, ranks) -> _Transfer:
+    """Start an all_gather of each of tensors over group; the transfer brings, for each of ``ranks`` (ranks
+    of the group), that rank's tensors as a tuple."""
+    sent = [t.contiguous() for t in tensors]
+    parts = [[torch.empty_like(t) for _ in range(dist.get_world_size(group))] for t in sent]
+    works = [dist.all_gather(p, t, group=group, async_op=True) for p, t in zip(parts, sent)]
+    return _Transfer(works, sent, [tuple(p[r] for p in parts) for r in ranks])
+
+
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
     """Every rank's x, concatenated along dim 0 in rank order."""
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts)
+    parts = _gather([x], group, range(dist.get_world_size(group))).wait()  # a tuple of one per rank
+    return torch.cat([part[0] for part in parts])
 
 
 class _SeenStates(torch.autograd.Function):
@@ -287,22 +296,85 @@ class _SeenStates(torch.autograd.Function):
         return torch.tensordot(seen_by, _all_gather(grad, ctx.group), dims=1), None, None, None
 
 
+class _RankStates:
+    """A rank's exchange with the other ranks of its context group, in plain order, for fastmax's linear form on
+    the kernels (the ``exchange`` of attention_cuda._kernels.linear_attention, which says what travels): the
+    values' mean they agree on, and the state images they trade. All_gathers, as _SeenStates' are, for the same
+    reasons (one collective; each image whole, a few MB); every rank then reads the images it needs."""
+
+    def __init__(self, group, causal: bool):
+        self.group = group
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        others = [r for r in range(size) if r != rank]
+        # Under causal a rank's queries see the earlier ranks' keys and its keys are seen by the later ranks' queries.
+        self.seen = [r for r in others if r < rank or not causal]
+        self.seen_by = [r for r in others if r > rank or not causal]
+
+    def total(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks, in place."""
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def states(self, image: torch.Tensor, scale: torch.Tensor) -> _Transfer:
+        """Start sending the state of this rank's keys, (image, scale); the transfer brings the (image, scale) of
+        each rank whose keys this rank's queries see."""
+        return _gather((image, scale), self.group, self.seen)
+
+    def gradients(self, image: torch.Tensor, scale: torch.Tensor, g_scale: torch.Tensor) -> _Transfer:
+        """Start sending the moments of this rank's queries' gradients, (image, scale, g's scale); the transfer
+        brings those of each rank whose queries saw this rank's keys."""
+        return _gather((image, scale, g_scale), self.group, self.seen_by)
+
+
+FASTMAX_BACKENDS = ("torch", "cuda")
+
+
+def _kernels_reason(device: torch.device, dtype: torch.dtype, d: int, tuning: Tuning) -> str | None:
+    """None when the chunked linear-form kernels run a slice of head dim d in dtype on device, else why not."""
+    reason = kernels_reason(device, dtype, d) or linear_kernels_reason(dtype)
+    if reason is None and not chunked_path(dtype, d, tuning):
+        reason = (f"the ranks trade the chunked kernels' state images, which an sm_90a build runs on Hopper at "
+                  f"head dims 64 and 128 with tuning.chunked_rows > 0; here (head dim {d}, chunked_rows "
+                  f"{tuning.chunked_rows}) the linear form would run on the sweep, whose state never leaves the kernel")
+    return reason
+
+
 def fastmax_context_parallel(q, k, v, group=None, *, causal: bool, p: int = 2, a0: float = 1.0, a1: float = 1.0,
                              a2: float = 0.5, temperature: float = 1.0, normalize: bool = False, lim: float = 1.0,
-                             zigzag: bool = False):
+                             zigzag: bool = False, backend: str = "torch", tuning: Tuning | None = None):
     """fastmax_attention(q, k, v, causal=causal, ...) of the whole sequence, for this rank's slice of it
-    (shapes and layout as cosine_ring_attention's; its options are fastmax_attention's).
+    (shapes and layout as cosine_ring_attention's; its options are fastmax_attention's). Only states travel,
+    whatever the length: no K or V leaves its rank. Every rank of the group must call it, and run its backward.
 
-    Each chunk of the slice reads the moments of the keys before it (all keys without causal), summed from
-    the ranks' states, and adds its own causal block, quadratically: numerators and denominators add. Only
-    states travel, in fp32 (fp64 for fp64 inputs), whatever the length. Every rank of the group must call
-    it, and run its backward.
+    ``backend="torch"``: each chunk of the slice reads the moments of the keys before it (all keys without
+    causal), summed from the ranks' states (fp32, fp64 for fp64 inputs), and adds its own causal block,
+    quadratically: numerators and denominators add.
+
+    ``backend="cuda"``: the slice runs in fastmax's linear form on our chunked kernels (Hopper, head dims 64
+    and 128, fp16 or bf16: autocast's dtype under autocast, else the inputs', in which the output comes back,
+    as from fastmax_attention), in chunks of ``tuning``'s chunked_rows (plan.TUNING's when None); its queries
+    also read the state images of the earlier ranks' keys (all other ranks' without causal), and its backward
+    sends the moments of their gradients back to those ranks (attention_cuda._kernels._LinearAttention).
+    Linear in the slice's length. Plain order only.
     """
     _check_slices(q, k, v, zigzag)
+    if backend not in FASTMAX_BACKENDS:
+        raise ValueError(f"backend: expected one of {FASTMAX_BACKENDS}, got {backend!r}")
     policy = poly_policy(p, a0, a1, a2, temperature, normalize, lim)
     work = score_dtype(q.dtype, linear=True)
-    policy.check_range(work)
+    policy.check_range(work)  # the kernels' scores are fp32 too
     group = dist.group.WORLD if group is None else group
+    if backend == "cuda":
+        if zigzag:
+            raise ValueError("zigzag: fastmax on the kernels takes plain order, where a rank's slice is one run of the "
+                             "sequence and reads one state per other rank; got zigzag=True")
+        tuning = TUNING if tuning is None else tuning
+        dtype = run_dtype(q.dtype, True)
+        reason = _kernels_reason(q.device, dtype, q.shape[-1], tuning)
+        if reason is not None:
+            raise ValueError(f"backend: 'cuda' runs fastmax on the chunked linear-form kernels: {reason}")
+        return linear_attention(q, k, v, None, causal, policy, dtype, tuning.chunked_rows, True,
+                                _RankStates(group, causal))
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     n = len(_chunks(rank, world, zigzag))
     b, h, t, d = q.shape
@@ -331,16 +403,16 @@ def context_zigzag(cfg, size: int) -> bool:
         raise ValueError("attention: context parallelism runs 'cosine' (a ring) or 'fastmax' (a prefix of states); "
                          "softmax's route is PyTorch's torch.distributed.tensor.experimental.context_parallel for "
                          "SDPA, which this model does not wire up yet")
-    if cfg.cosine_sdpa or (cfg.use_cuda_kernel and cfg.attention == "fastmax"):
-        raise ValueError("use_cuda_kernel, cosine_sdpa: context parallelism computes cosine's blocks on our kernels "
-                         "or the PyTorch reference, and fastmax's on the reference only so far; leave cosine_sdpa "
-                         "off, and use_cuda_kernel off for fastmax")
+    if cfg.cosine_sdpa:
+        raise ValueError("cosine_sdpa: context parallelism computes cosine's blocks on our kernels or the PyTorch "
+                         "reference, not on SDPA; leave cosine_sdpa off")
     if cfg.short_conv:
         raise ValueError(f"short_conv: a slice's first positions would need the previous rank's last inputs, which "
                          f"context parallelism does not pass; expected 0, got {cfg.short_conv}")
     # Causal cosine is quadratic: in plain order the last rank's queries see every key, the first rank's only
     # its own, so zigzag balances the ring. Fastmax is linear: each chunk reads one state and does its own
-    # band, the same work wherever it sits, and plain order sends one state per rank rather than two.
+    # band, the same work wherever it sits, and plain order sends one state per rank rather than two (and is
+    # the order its kernels take).
     zigzag = cfg.attention == "cosine"
     chunks = 2 * size if zigzag else size
     if cfg.seq_len % chunks:
@@ -365,7 +437,7 @@ class ContextParallel:
             self.attend = functools.partial(fastmax_context_parallel, group=group, causal=True, zigzag=False,
                                             p=cfg.fastmax_p, a0=cfg.fastmax_a0, a1=cfg.fastmax_a1, a2=cfg.fastmax_a2,
                                             temperature=cfg.fastmax_temperature, normalize=cfg.fastmax_normalize,
-                                            lim=cfg.fastmax_lim)
+                                            lim=cfg.fastmax_lim, backend="cuda" if cfg.use_cuda_kernel else "torch")
 
     def shard(self, x: torch.Tensor):
         """This rank's slice of x (B, T, ...) and its positions."""

@@ -1,5 +1,6 @@
 """Context parallelism at the attention level: 2 and 4 CPU processes over gloo, each holding its slice of
-one sequence, give the single-process reference's outputs and gradients, in plain and zigzag order."""
+one sequence, give the single-process reference's outputs and gradients, in plain and zigzag order. On our
+kernels: their glue on CPU with stand-in ops (kernel_standins), the kernels themselves over NCCL on 2 GPUs."""
 import dataclasses
 import functools
 
@@ -7,9 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from attention_cuda import cosine_sim_attention, fastmax_attention
+import kernel_standins
+from attention_cuda import Tuning, _extension, cosine_sim_attention, fastmax_attention
 from helpers import rule_violation, spawn_group
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, context_parallel
 from model.context_parallel import context_zigzag, cosine_ring_attention, fastmax_context_parallel, shard_sequence
 
 B, H, T, D = 2, 4, 24, 8  # T = 24: 3 positions a chunk at 4 ranks in zigzag order (8 chunks)
@@ -107,9 +109,85 @@ def check_model_on_gpus(rank: int, world: int, family: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="context parallelism over NCCL needs 2 GPUs")
-@pytest.mark.parametrize("family", ["cosine"])
+@pytest.mark.parametrize("family", ["cosine", "fastmax"])
 def test_the_model_on_two_gpus_gives_the_one_gpu_loss(family, tmp_path):
     spawn_group(check_model_on_gpus, 2, tmp_path / "store", family, backend="nccl")
+
+
+def drifting_sequence(b: int, h: int, kv_heads: int, t: int, d: int, device="cpu"):
+    """q, k, v and an upstream gradient of one float64 sequence, the same on every rank. The values drift along
+    it, so that each rank's slice has a mean value of its own: the ranks on the kernels must agree on one."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, d_out = (torch.randn(b, h, t, d, dtype=torch.float64, device=device, generator=gen) for _ in range(2))
+    k, v = (torch.randn(b, kv_heads, t, d, dtype=torch.float64, device=device, generator=gen) for _ in range(2))
+    return q, k, v + torch.linspace(0, 4, t, dtype=torch.float64, device=device)[:, None], d_out
+
+
+def check_standin_kernels(rank: int, world: int, causal: bool, kv_heads: int, group=None) -> None:
+    """fastmax_context_parallel(backend="cuda") on the kernels' stand-ins (kernel_standins: the ops' contracts in
+    float64 PyTorch, outputs in the ops' dtypes) in fp32, this rank's rows against the float64 single-process
+    reference: the glue around the kernels (the incoming images read into y before lin_out, g's images sent
+    back, their scales, the mean the ranks agree on), not the kernels."""
+    t = 40 * world  # 40 rows a rank: chunks of 16, the last one part full
+    q, k, v, d_out = drifting_sequence(B, H, kv_heads, t, D)
+    expected = output_and_grads(functools.partial(REFERENCES["fastmax"], causal=causal), (q, k, v), d_out)
+
+    _, positions = shard_sequence(torch.zeros(1, t), rank, world)
+    attention = functools.partial(fastmax_context_parallel, **FASTMAX, group=group, causal=causal, backend="cuda",
+                                  tuning=Tuning(chunked_rows=16))
+    got = output_and_grads(attention, [x[:, :, positions].float() for x in (q, k, v)], d_out[:, :, positions].float())
+    case = f"rank {rank}/{world} causal={causal} kv_heads={kv_heads}"
+    for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
+        assert g.dtype == torch.float32, f"{case}: {name}: {g.dtype}"
+        torch.testing.assert_close(g.double(), e[:, :, positions], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{case}: {name}: {m}")
+
+
+def run_standin_kernels(rank: int, world: int) -> None:
+    kernel_standins.install()
+    context_parallel._kernels_reason = lambda *args: None  # the stand-ins run on a CPU, in fp32
+    for causal, kv_heads in [(True, H), (False, H), (True, 2)]:
+        check_standin_kernels(rank, world, causal, kv_heads)
+    if world == 4:  # two sequences side by side on groups of two, as beside data parallelism
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        check_standin_kernels(rank % 2, 2, True, 2, group=pairs[rank // 2])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_fastmax_kernel_path_glue_gives_the_single_process_outputs_and_gradients(world, tmp_path):
+    spawn_group(run_standin_kernels, world, tmp_path / "store")
+
+
+def check_kernel_fastmax(rank: int, world: int, dtype: torch.dtype) -> None:
+    """fastmax_context_parallel on our kernels, this rank's rows of the output and gradients, against float64 under
+    the FlashAttention rule (2x the error of the same PyTorch math in dtype, plus an atol). Slices of 1024 rows
+    in chunks of 256, so that each crosses several; grouped kv heads in one case, all keys in another."""
+    b, h, t, d = 2, 4, 2048, 64
+    options = dict(FASTMAX, temperature=8.0)
+    _, positions = shard_sequence(torch.zeros(1, t), rank, world)
+    problems = []
+    for causal, kv_heads in [(True, h), (True, 2), (False, h)]:
+        q, k, v, d_out = drifting_sequence(b, h, kv_heads, t, d, device="cuda")
+        reference = functools.partial(fastmax_attention, **options, causal=causal, backend="torch", form="quadratic")
+        expected, same_math = (output_and_grads(reference, [x.to(dt) for x in (q, k, v)], d_out.to(dt))
+                               for dt in (torch.float64, dtype))
+        parallel = functools.partial(fastmax_context_parallel, **options, causal=causal, backend="cuda",
+                                     tuning=Tuning(chunked_rows=256))
+        got = output_and_grads(parallel, [x[:, :, positions].to(dtype) for x in (q, k, v)],
+                               d_out[:, :, positions].to(dtype))
+        problems += [f"rank {rank} causal={causal} kv_heads={kv_heads} {name}: {p}"
+                     for name, g, s, e in zip(("out", "dq", "dk", "dv"), got, same_math, expected)
+                     if (p := rule_violation(g, s[:, :, positions], e[:, :, positions], dtype))]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the ranks over NCCL need 2 GPUs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda t: str(t).split(".")[-1])
+def test_fastmax_across_ranks_on_our_kernels_meets_the_error_rule(dtype, tmp_path):
+    if 64 not in _extension.chunked_head_dims(dtype):
+        pytest.skip("the ranks trade the chunked kernels' state images: an sm_90a build on Hopper")
+    spawn_group(check_kernel_fastmax, 2, tmp_path / "store", dtype, backend="nccl")
 
 
 def tiny_model(family: str) -> GPT:
@@ -161,8 +239,7 @@ def test_the_model_under_a_context_group_gives_the_single_process_loss_and_gradi
 
 @pytest.mark.parametrize("changes, match", [
     (dict(attention="softmax"), "attention: .* 'cosine' .* 'fastmax' .* torch.distributed.tensor.experimental"),
-    (dict(attention="fastmax", use_cuda_kernel=True), "use_cuda_kernel, cosine_sdpa: .* fastmax's on the reference"),
-    (dict(attention="cosine", cosine_sdpa=True), "use_cuda_kernel, cosine_sdpa: .* leave cosine_sdpa off"),
+    (dict(attention="cosine", cosine_sdpa=True), "cosine_sdpa: .* not on SDPA; leave cosine_sdpa off"),
     (dict(attention="fastmax", short_conv=3), "short_conv: .* expected 0, got 3"),
     (dict(attention="cosine", seq_len=12), "seq_len: .* 8 chunks \\(zigzag order, cosine\\), expected .* of 8, got 12"),
     (dict(attention="fastmax", seq_len=10), "seq_len: .* 4 chunks .* expected a multiple of 4, got 10"),
@@ -170,6 +247,13 @@ def test_the_model_under_a_context_group_gives_the_single_process_loss_and_gradi
 def test_what_cannot_run_context_parallel_is_refused(changes, match):
     with pytest.raises(ValueError, match=match):
         context_zigzag(GPTConfig(**{"n_embd": 16, "n_head": 2, **changes}), 4)
+
+
+@pytest.mark.parametrize("attention, zigzag", [("cosine", True), ("fastmax", False)])
+@pytest.mark.parametrize("use_cuda_kernel", [False, True])
+def test_both_attentions_run_context_parallel_on_the_reference_and_on_our_kernels(attention, zigzag, use_cuda_kernel):
+    cfg = GPTConfig(n_embd=16, n_head=2, attention=attention, use_cuda_kernel=use_cuda_kernel)
+    assert context_zigzag(cfg, 4) is zigzag
 
 
 @pytest.fixture
@@ -183,6 +267,18 @@ def group_of_one(tmp_path):
 def test_a_group_of_one_is_the_single_process_attention(family, group_of_one):
     for case in CASES:
         check_case(0, 1, family, *case)
+
+
+@pytest.mark.parametrize("family, match", [
+    ("cosine", "backend: 'cuda' cannot run these inputs"),
+    ("fastmax", "backend: 'cuda' runs fastmax on the chunked linear-form kernels"),
+])
+def test_use_cuda_kernel_puts_the_model_s_context_group_on_our_kernels(family, match, group_of_one):
+    """Which the kernels refuse here (CPU tensors), saying so."""
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, seq_len=16, attention=family, use_cuda_kernel=True))
+    model.set_context_group(dist.group.WORLD)
+    with pytest.raises(ValueError, match=match):
+        model(torch.zeros(1, 16, dtype=torch.long))
 
 
 def test_shard_sequence_gives_plain_and_zigzag_slices_and_their_positions():
@@ -225,3 +321,24 @@ def test_an_unknown_backend_and_cpu_tensors_on_the_kernels_are_refused():
         cosine_ring_attention(q, q, q, causal=True, backend="triton")
     with pytest.raises(ValueError, match="backend: 'cuda' cannot run these inputs: "):
         cosine_ring_attention(q, q, q, causal=True, backend="cuda")
+    with pytest.raises(ValueError, match="backend: expected one of \\('torch', 'cuda'\\), got 'triton'"):
+        fastmax_context_parallel(q, q, q, causal=True, backend="triton")
+    with pytest.raises(ValueError, match="backend: 'cuda' runs fastmax on the chunked linear-form kernels: "):
+        fastmax_context_parallel(q, q, q, causal=True, backend="cuda")
+    with pytest.raises(ValueError, match="zigzag: fastmax on the kernels takes plain order"):
+        fastmax_context_parallel(q, q, q, causal=True, zigzag=True, backend="cuda")
+
+
+def test_fastmax_on_the_kernels_needs_the_chunked_kernels(fake_kernels):
+    """The ranks trade the chunked kernels' state images: the sweep (another GPU, another head dim, chunked_rows
+    0) and dtypes the linear form does not take are refused, saying why."""
+    cuda = torch.device("cuda")
+    assert context_parallel._kernels_reason(cuda, torch.bfloat16, 64, Tuning()) is None
+    assert "inputs are on cpu" in context_parallel._kernels_reason(torch.device("cpu"), torch.bfloat16, 64, Tuning())
+    assert "float16 and bfloat16, got torch.float32" in context_parallel._kernels_reason(cuda, torch.float32, 64,
+                                                                                         Tuning())
+    for d, tuning in [(32, Tuning()), (64, Tuning(chunked_rows=0))]:
+        assert f"head dim {d}, chunked_rows {tuning.chunked_rows}) the linear form would run on the sweep" in (
+            context_parallel._kernels_reason(cuda, torch.bfloat16, d, tuning))
+    fake_kernels.chunked = ()  # an sm_80 GPU
+    assert "on the sweep" in context_parallel._kernels_reason(cuda, torch.bfloat16, 64, Tuning())

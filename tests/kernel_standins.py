@@ -1,0 +1,174 @@
+"""Stand-ins for the ops that fastmax's linear form runs on the chunked kernels (attn_cuda::lin_rows, lin_state,
+lin_read, lin_out, lin_g, lin_grad, and fwd and bwd on its diagonal blocks): float64 PyTorch on any device that
+follows each op's contract as csrc/binding/binding.cpp and csrc/linear/params.h state it, so that the Python
+glue around them (attention_cuda._kernels._LinearAttention, and its exchange between the ranks of a context
+group) runs on a CPU.
+
+They check the glue, not the kernels: nothing is rounded to fp16/bf16, no size limit is enforced (chunks of
+any multiple of 8 rows, say), and an image is the state itself, float64 (B, Hkv, images, F, D + 16) with
+F = 1 + D + D^2 unpacked features, rather than the kernels' swizzled bytes. Their outputs take the ops'
+dtypes (fp32 sums, the inputs' dtype for rows), and g's scale is the kernels' power of two, different from
+rank to rank, so a glue that mixes up scales or dtypes shows.
+"""
+import torch
+
+OPS = ("lin_rows", "lin_state", "lin_read", "lin_out", "lin_g", "lin_grad", "fwd", "bwd")
+
+
+def install(setattr_=setattr) -> None:
+    """Put the stand-ins in torch.ops.attn_cuda (``setattr_``: a monkeypatch's, to undo it after a test)."""
+    for name in OPS:
+        setattr_(torch.ops.attn_cuda, name, globals()[name])
+
+
+def _natural(x):
+    """Chunk-major (B, chunks, H, L, W) -> natural rows (B, H, chunks * L, W)."""
+    return x.transpose(1, 2).flatten(2, 3)
+
+
+def _chunk_major(x, chunk):
+    """Natural rows (B, H, n_pad, W) -> chunk-major (B, n_pad / chunk, H, chunk, W)."""
+    return x.unflatten(2, (x.shape[2] // chunk, chunk)).transpose(1, 2).contiguous()
+
+
+def _features(x, second):
+    """phi(x') of rows x' = [x, e, 0 ...] (D + 16 wide, e: the row's flag): [e, x, x (x) x] (without second, no
+    x (x) x), float64. phi(x'_t) . (c * phi(u'_s)) = e_t e_s (c0 + c1 z + c2 z^2), z = x_t . u_s."""
+    d = x.shape[-1] - 16
+    x = x.double()
+    feats = [x[..., d:d + 1], x[..., :d]]
+    if second:
+        feats.append((x[..., :d, None] * x[..., None, :d]).flatten(-2))
+    return torch.cat(feats, -1)
+
+
+def _coefficients(coef, d, second, device):
+    """c per feature, float64: c0 on e, c1 on x, c2 on x (x) x."""
+    sizes = (1, d, d * d) if second else (1, d)
+    return torch.cat([torch.full((n,), c, dtype=torch.float64, device=device) for n, c in zip(sizes, coef)])
+
+
+def lin_rows(x, mask, mu, shift, n_pad, width, chunk):
+    b, h, n, d = x.shape
+    t = torch.arange(n_pad, device=x.device) - shift  # the natural row of each chunk row
+    keep = ((t >= 0) & (t < n))[None, None, :, None]
+    src = t.clamp(0, n - 1)
+    if mask is not None:
+        keep = keep & mask[:, None, src, None]
+    rows = x[:, :, src].double()
+    if mu is not None:
+        rows = rows - mu[:, :, None, :].double()
+    rows = torch.where(keep, rows, 0.0)
+    if width > d:
+        rows = torch.cat([rows, keep.expand(b, h, n_pad, 1).double(), rows.new_zeros(b, h, n_pad, width - d - 1)], -1)
+    return _chunk_major(rows, chunk).to(x.dtype)
+
+
+def lin_state(x, w, heads, causal, reverse, second, coef, scale):
+    b, chunks, hx, rows, dp = x.shape
+    phi = _features(x, second) * _coefficients(coef, dp - 16, second, x.device)
+    # Each chunk's moments, the heads of a kv head summed: (B, chunks, Hkv, F, W).
+    per_chunk = (phi.transpose(-1, -2) @ w.double()).unflatten(2, (hx // heads, heads)).sum(3)
+    if not causal:
+        states = per_chunk.sum(1, keepdim=True)
+    else:
+        upto = per_chunk.flip(1) if reverse else per_chunk
+        states = upto.cumsum(1) - upto  # the chunks before (after, with reverse) each one
+        states = states.flip(1) if reverse else states
+    return (states * scale.double()).transpose(1, 2).contiguous()
+
+
+def lin_read(x, g, image, heads, second, r1_cols, scale):
+    b, chunks, hx, rows, dp = x.shape
+    assert image.shape[2] in (chunks, 1), "lin_read: image does not match x"
+    s = (image.transpose(1, 2) / scale.double()).repeat_interleave(heads, dim=2)  # (B, images, H, F, W)
+    phi = _features(x, second)
+    r1 = torch.empty(0, dtype=torch.float32, device=x.device)
+    if r1_cols > 0:
+        r1 = phi @ s
+        r1[..., r1_cols:] = 0
+        r1 = r1.float()
+    r2 = torch.empty(0, dtype=torch.float32, device=x.device)
+    if g is not None:
+        d = dp - 16
+        m = g.double() @ s.transpose(-1, -2)  # S g per row: (B, chunks, H, L, F)
+        xd = x.double()[..., :d]
+        r2 = m[..., 1:d + 1]
+        if second:
+            m2 = m[..., d + 1:].unflatten(-1, (d, d))
+            r2 = r2 + ((m2 + m2.transpose(-1, -2)) @ xd[..., None])[..., 0]
+        r2 = r2.float()
+    return r1, r2
+
+
+def lin_out(y, o, stat, mu, shift, n, dtype):
+    b, chunks, h, rows, dp = y.shape
+    d = dp - 16
+    y = y.double()
+    if o is None:
+        o, ld = y.new_zeros(b, chunks, h, rows, d), y.new_zeros(b, chunks, h, rows)
+    else:
+        o, stat = o.view(b, chunks, h, rows, d).double(), stat.view(b, chunks, h, rows).double()
+        ld = torch.where(stat > 0, 1 / stat, 0.0)
+    lm = y[..., d]
+    total = lm + ld
+    inv = torch.where(total > 0, 1 / total, 0.0)
+    out = (y[..., :d] + mu[:, None, :, None, :].double() * lm[..., None] + o * ld[..., None]) * inv[..., None]
+    return _natural(out)[:, :, shift:shift + n].to(dtype), inv.float()
+
+
+def lin_g(dout, out, inv_l, mu, cmax, shift):
+    b, h, n, d = dout.shape
+    chunks, rows = inv_l.shape[1], inv_l.shape[3]
+    dout, out = dout.double(), out.double()
+    inv = _natural(inv_l[..., None]).double()[:, :, shift:shift + n]  # (B, H, n, 1)
+    delta = (dout * (out - mu[:, :, None, :].double())).sum(-1, keepdim=True)
+    gmax = (inv * torch.maximum(dout.abs().amax(-1, keepdim=True), delta.abs())).max()
+    # The kernels' scale: the smallest power of two at or above gmax * cmax, over 2^14.
+    mantissa, exponent = torch.frexp((gmax * cmax.double()).clamp_min(torch.finfo(torch.float32).tiny))
+    scale = torch.ldexp(torch.ones_like(mantissa), exponent - (mantissa == 0.5).long() - 14)
+    g = torch.cat([dout, -delta, dout.new_zeros(b, h, n, 15)], -1) * inv / scale
+    g = torch.nn.functional.pad(g, (0, 0, shift, chunks * rows - n - shift))
+    return _chunk_major(g, rows).to(dout.dtype), scale.float().reshape(1)
+
+
+def lin_grad(acc, scale, diag, shift, n, dim, dtype):
+    b, chunks, h, rows, _ = acc.shape
+    out = _natural(acc.double())[:, :, shift:shift + n, :dim] * scale.double()
+    if diag is not None:
+        out = out + _natural(diag.view(b, chunks, h, rows, dim).double())[:, :, shift:shift + n]
+    return out.to(dtype)
+
+
+def _block(q, k, v, mask, scale, coef):
+    """A diagonal block's num and l: causal, the mask's keys only, f(z) = c0 + c1 z + c2 z^2 of z = scale q.k."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    z = scale * q @ k.transpose(-1, -2)
+    rows = q.shape[2]
+    seen = torch.ones(rows, rows, dtype=torch.bool, device=q.device).tril() & mask[:, None, None, :]
+    a = torch.where(seen, coef[0] + z * (coef[1] + coef[2] * z), 0.0)
+    return a @ v, a.sum(-1, keepdim=True)
+
+
+def fwd(q, k, v, mask, bias, causal, kind, scale, qk_norm, coef, normalize):
+    assert (bias, causal, kind, qk_norm, normalize) == (None, True, "poly", None, True), "the diagonal blocks' call"
+    num, l = _block(q.double(), k.double(), v.double(), mask, scale, coef)
+    out = torch.where(l > 0, num / l, 0.0)
+    stat = torch.where(l > 0, 1 / l, 0.0)[..., 0]
+    stat = torch.nn.functional.pad(stat, (0, -stat.shape[-1] % 4)).float()  # rows padded to 4
+    empty = stat.new_empty(0)
+    return out.to(q.dtype), stat, empty, empty, q.new_empty(0)
+
+
+def bwd(dout, q, k, v, mask, bias, out, stat, rq, rk, causal, kind, scale, qk_norm, coef, normalize, bias_grad):
+    """A block's share of the gradients given the whole row's O and 1/l (stat): O = num / l sends dO / l to the
+    block's num and -(dO . O) / l to its l."""
+    assert (bias, causal, kind, qk_norm, normalize, bias_grad) == (None, True, "poly", None, True, False)
+    inv = stat[..., :q.shape[2], None].double()
+    dout = dout.double()
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    with torch.enable_grad():
+        num, l = _block(*leaves, mask, scale, coef)
+    grads = torch.autograd.grad((num, l), leaves, (dout * inv, -(dout * out.double()).sum(-1, keepdim=True) * inv))
+    return (*(x.to(q.dtype) for x in grads), q.new_empty(0))

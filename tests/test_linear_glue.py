@@ -1,0 +1,58 @@
+"""The linear form's glue around the chunked kernels (attention_cuda._kernels._LinearAttention: rows in and out,
+moments, the diagonal blocks, g and its scale, the values' mean) on the kernels' stand-ins (kernel_standins: each
+op's contract in float64 PyTorch), on a CPU, against the float64 reference. The kernels themselves are
+tests/test_cuda_linear.py's (GPU); the same glue across the ranks of a context group, test_context_parallel.py's."""
+import functools
+
+import pytest
+import torch
+
+import kernel_standins
+from attention_cuda import _kernels, fastmax_attention
+from attention_cuda.score import poly_policy
+
+DEFAULTS = dict(p=2, a0=1.0, a1=1.0, a2=0.5, temperature=1.0, normalize=False, lim=1.0)  # fastmax_attention's
+
+
+@pytest.fixture
+def standins(monkeypatch):
+    kernel_standins.install(functools.partial(monkeypatch.setattr, raising=False))
+
+
+def output_and_grads(attention, inputs, d_out):
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    out = attention(*leaves)
+    return (out.detach(), *torch.autograd.grad(out, leaves, d_out))
+
+
+@pytest.mark.parametrize("causal, masked, shape, options", [
+    (True, False, (2, 4, 2, 40, 40), {}),
+    (False, False, (2, 4, 4, 40, 40), {}),
+    (True, True, (2, 4, 2, 30, 50), {}),  # more keys than queries, and a mask
+    (True, True, (1, 2, 1, 50, 30), {}),  # fewer: the first queries see placeholder keys
+    (True, True, (2, 4, 2, 40, 40), dict(normalize=True, lim=1.5, a0=2.0, a1=0.5, a2=0.25)),
+    (True, False, (2, 4, 2, 40, 40), dict(p=1, normalize=True, lim=1.0)),
+])
+def test_the_linear_form_s_glue_gives_the_reference_s_outputs_and_gradients(causal, masked, shape, options, standins):
+    b, h, hkv, i, j = shape
+    gen = torch.Generator().manual_seed(0)
+    q, d_out = (torch.randn(b, h, i, 8, dtype=torch.float64, generator=gen) for _ in range(2))
+    k, v = (torch.randn(b, hkv, j, 8, dtype=torch.float64, generator=gen) for _ in range(2))
+    mask = torch.rand(b, j, generator=gen) > 0.3 if masked else None
+    options = dict(temperature=2.0, **options)
+    expected = output_and_grads(functools.partial(fastmax_attention, causal=causal, mask=mask, backend="torch",
+                                                  form="quadratic", **options), (q, k, v + 3), d_out)
+    policy = poly_policy(**{**DEFAULTS, **options})
+    # fp32: the glue takes a float32 gradient norm of q, which fp64 rows would not narrow to.
+    linear = functools.partial(_kernels.linear_attention, mask=mask, causal=causal, policy=policy,
+                               dtype=torch.float32, chunk=16, chunked=True)
+    got = output_and_grads(linear, [x.float() for x in (q, k, v + 3)], d_out.float())
+    for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
+        torch.testing.assert_close(g.double(), e, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_an_exchange_needs_the_chunked_kernels():
+    q = torch.zeros(1, 2, 8, 8)
+    with pytest.raises(ValueError, match="exchange: .* expected chunked=True"):
+        _kernels.linear_attention(q, q, q, None, True, poly_policy(**DEFAULTS), torch.bfloat16, 128, False,
+                                  exchange=object())
