@@ -430,14 +430,15 @@ class ContextParallel:
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.zigzag = context_zigzag(cfg, self.size)
+        backend = "cuda" if cfg.use_cuda_kernel else "torch"
         if cfg.attention == "cosine":
             self.attend = functools.partial(cosine_ring_attention, group=group, causal=True, scale=cfg.cosine_scale,
-                                            zigzag=True, backend="cuda" if cfg.use_cuda_kernel else "torch")
+                                            zigzag=True, backend=backend)
         else:
             self.attend = functools.partial(fastmax_context_parallel, group=group, causal=True, zigzag=False,
                                             p=cfg.fastmax_p, a0=cfg.fastmax_a0, a1=cfg.fastmax_a1, a2=cfg.fastmax_a2,
                                             temperature=cfg.fastmax_temperature, normalize=cfg.fastmax_normalize,
-                                            lim=cfg.fastmax_lim, backend="cuda" if cfg.use_cuda_kernel else "torch")
+                                            lim=cfg.fastmax_lim, backend=backend)
 
     def shard(self, x: torch.Tensor):
         """This rank's slice of x (B, T, ...) and its positions."""

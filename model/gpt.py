@@ -331,9 +331,10 @@ class GPT(nn.Module):
         check_sampling(temperature, top_k, top_p)  # here, not at the first byte: the generator below is lazy
         if idx.ndim != 2 or idx.shape[1] == 0:
             raise ValueError(f"idx: expected (batch, at least one byte), got shape {tuple(idx.shape)}")
+        graphable = use_cache and idx.device.type == "cuda"
         if use_graph is None:
-            use_graph = use_cache and idx.device.type == "cuda"
-        if use_graph and not (use_cache and idx.device.type == "cuda"):
+            use_graph = graphable
+        if use_graph and not graphable:
             raise ValueError(f"use_graph: replays the cache's step on CUDA, got use_cache={use_cache} and idx on "
                              f"{idx.device}")
 

@@ -168,7 +168,7 @@ class Report:
                         for t in p.seq_lens]
                 gaps = [g for g in gaps if not math.isnan(g)]
                 if gaps:
-                    lrs = [self.lr_of(x) for x in (a, b)]
+                    lrs = [chosen_lrs(self.results, p.variants, p.lrs).get(x) for x in (a, b)]
                     lines.append(f"- {VARIANTS[a].label} and {VARIANTS[b].label} compute the same function; what "
                                  f"separates them (up to {max(gaps):.3f} bpc here) is how it is computed and rounded, "
                                  + (f"the rates the sweep chose ({lrs[0]:g} and {lrs[1]:g}), " if lrs[0] != lrs[1]
@@ -181,10 +181,6 @@ class Report:
                          f"{sum(best)} of {len(best)} runs): the probe tells apart an attention that never learns it "
                          "from one that sometimes does, not how well each would recall once trained.")
         return lines
-
-    def lr_of(self, variant: str) -> float | None:
-        """The rate the variant's grid runs used."""
-        return next((r["lr"] for r in self.results if r["phase"] == "grid" and r["variant"] == variant), None)
 
     def between(self, seq_len: int) -> str | None:
         """The attentions side by side at one context: the lowest val bpc, and which others are behind it by
