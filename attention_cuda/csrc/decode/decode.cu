@@ -2,9 +2,9 @@
 //
 // A step reads each kept key's K and V row once and spends about 4 D FLOPs on it per query head: it is bound
 // by memory, so it runs on CUDA cores, which reach the memory's rate at this arithmetic, rather than on the
-// tensor cores, whose smallest tile would be 64 or 128 query rows of which one is real. Unit q and k bound
-// every logit by |alpha|, so each key's weight is exp2(y - |alpha|) with no running max; the keys are split
-// into parts, one block each, whose sums of weights and weighted rows add as they are (a second, small
+// tensor cores, whose tiles (16 query rows for mma.sync, 64 for wgmma) would hold one real row. Unit q and k
+// bound every logit by |alpha|, so each key's weight is exp2(y - |alpha|) with no running max; the keys are
+// split into parts, one block each, whose sums of weights and weighted rows add as they are (a second, small
 // kernel divides). The key mask is read as a predicate: a masked key's K and V rows are never loaded, so
 // whatever its slot holds (garbage, NaN) meets no product, no copy of K and V zeroes it, and a masked run of
 // keys costs its mask bytes alone.
