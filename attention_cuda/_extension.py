@@ -1,8 +1,9 @@
 """Loading the compiled ops: the extension that setup.py built (``attention_cuda._C``), else a JIT build
 of ``csrc/`` on first use (``torch.utils.cpp_extension.load``, cached under a name made from a hash of the
 sources, so an edit rebuilds and an unchanged tree reuses the build). The ops (``attn_cuda::fwd``, ``bwd``,
-the linear form's) are defined in csrc/binding/binding.cpp; here they also get fake implementations, so
-that torch.compile traces through them without running them. What is compiled is build.py's list.
+``decode``, the linear form's) are defined in csrc/binding/binding.cpp; here they also get fake
+implementations, so that torch.compile traces through them without running them. What is compiled is
+build.py's list.
 """
 from __future__ import annotations
 
@@ -120,6 +121,10 @@ def _register_fakes() -> None:
                 torch.empty((b, h, _pad4(i)) if norms else (0,), **f32),
                 torch.empty((b, k.shape[1], _pad4(k.shape[2])) if norms else (0,), **f32),
                 k.new_empty(k.shape if norms else (0,)))
+
+    @torch.library.register_fake("attn_cuda::decode")
+    def _decode(q, k, v, mask, scale, qk_norm, splits):
+        return q.new_empty(q.shape)
 
     @torch.library.register_fake("attn_cuda::linear")
     def _linear(ux, uw, rx, rg, upd_heads, rd_heads, causal, reverse, second, cu, cr, r1_tiles, want_r2):

@@ -1,5 +1,6 @@
 """The CUDA kernels as differentiable torch ops: one autograd.Function per form (the tiled quadratic
-kernels, and fastmax's linear form over them), taking what plan.resolve decided.
+kernels, and fastmax's linear form over them), and the forward-only paths (split keys, cosine's decode
+kernel), taking what plan.resolve decided.
 
 Precision: fp16/bf16 inputs run on tensor cores with fp32 accumulation and fp32 softmax statistics,
 as FlashAttention does. fp32 inputs run as TF32 (operands rounded to a 10-bit mantissa, fp32
@@ -101,6 +102,19 @@ def split_keys(q, k, v, mask, policy: ScorePolicy, dtype: torch.dtype, splits: i
         total = weight.sum(0)[..., None]
         rows.append(torch.where(total > 0, (out * weight[..., None]).sum(0) / total, 0))
     return torch.stack(rows).to(dtype)
+
+
+def decode(q, k, v, mask, policy: ScorePolicy, dtype: torch.dtype) -> torch.Tensor:
+    """Cosine over one query row per head, q (B, H, 1, D), on the decode kernel (attn_cuda::decode, forward
+    only, no autograd): a decode step over a key cache. Same contract as ``attention`` without bias or causal.
+
+    The kernel reads the mask as a predicate, never loading a masked key's K and V rows, so garbage behind
+    the mask needs no zeroing copy (as ``_zero_masked`` makes for the tiled kernels), and weighs each key by
+    exp(x - |scale|) of unit rows with no running max (plan.decodes says where that holds). It splits the
+    keys into as many parts as fill the GPU, one block each, and adds up the parts' sums.
+    """
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    return torch.ops.attn_cuda.decode(q, k, v, mask, policy.scale, policy.qk_norm, 0)
 
 
 def linear_attention(q, k, v, mask, causal: bool, policy: ScorePolicy, dtype: torch.dtype, chunk: int,

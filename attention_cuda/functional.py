@@ -130,6 +130,8 @@ def _run(plan: Plan, call: _Call, causal: bool, policy: ScorePolicy, dropout: fl
                                         plan.path == "chunked")
     elif plan.path == "split":
         out = _kernels.split_keys(q, k, v, mask, policy, plan.run_dtype, plan.splits)
+    elif plan.path == "decode":
+        out = _kernels.decode(q, k, v, mask, policy, plan.run_dtype)
     elif plan.backend == "cuda":
         out = _kernels.attention(q, k, v, mask, call.bias, causal, policy, plan.run_dtype)
     elif plan.form == "linear":

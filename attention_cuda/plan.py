@@ -32,6 +32,11 @@ LINEAR_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 SPLIT_BLOCKS_PER_SM = 2
 SPLIT_MIN_KEYS = 512
 QUERY_TILE = 128
+# Cosine's decode kernel (_kernels.decode) weighs each key by exp(x - bound) in fp32, never rounded to the inputs'
+# dtype: the logits of unit rows (l2norm_qk, or the caller's promise without it, as check_range takes it) lie
+# within bound = |scale| of zero, so it keeps no running max while the smallest weight, e^(-2 bound), is a
+# normal fp32 number (csrc/binding's attn_decode checks the same).
+DECODE_MAX_BOUND = -math.log(torch.finfo(torch.float32).tiny) / 2
 
 
 @dataclass(frozen=True)
@@ -61,11 +66,13 @@ PROVENANCE = {
 class Plan:
     """How one call runs. backend: "cuda" or "torch"; form: "quadratic" or "linear"; path: "reference",
     "tiled" (the quadratic kernels), "split" (the tiled forward over parts of the keys, merged: see
-    key_splits), "sweep" or "chunked" (the linear form's moments on the kernels); chunk: rows per chunk of
-    the linear form; splits: parts of the keys on the split path (else 1); run_dtype: what the inputs are cast to (autocast's dtype
-    on the kernels, as for SDPA); score_dtype: what logits and weights are computed in; why: a line per
-    decision, each a tuple of parts that str() joins. Joined only when read: under torch.compile with
-    dynamic shapes a key count is symbolic, and tracing cannot format it into a string."""
+    key_splits), "decode" (cosine's decode kernel: one query row, forward only; see decodes), "sweep" or
+    "chunked" (the linear form's moments on the kernels); chunk: rows per chunk of the linear form; splits:
+    parts of the keys on the split path (else 1: the decode kernel splits its keys itself, into as many
+    parts as fill the GPU); run_dtype: what the inputs are cast to (autocast's dtype on the kernels, as for
+    SDPA); score_dtype: what logits and weights are computed in; why: a line per decision, each a tuple of
+    parts that str() joins. Joined only when read: under torch.compile with dynamic shapes a key count is
+    symbolic, and tracing cannot format it into a string."""
 
     backend: str
     form: str
@@ -153,6 +160,14 @@ def key_splits(sms: int, query_blocks: int, keys: int) -> int:
     return max(1, min(-(-SPLIT_BLOCKS_PER_SM * sms // query_blocks), keys // SPLIT_MIN_KEYS))
 
 
+def decodes(policy: ScorePolicy) -> bool:
+    """Whether a forward-only call of this policy with one query row per head runs on the decode kernel:
+    cosine whose logits of unit rows stay within DECODE_MAX_BOUND of zero."""
+    if policy.kind != "cosine":
+        return False
+    return abs(policy.scale) * (1.0 if policy.qk_norm is None else policy.qk_norm ** 2) <= DECODE_MAX_BOUND
+
+
 def resolve(*, device: torch.device, dtype: torch.dtype, head_dim: int, keys: int, policy: ScorePolicy,
             backend: str = "auto", form: str = "quadratic", dropout: float = 0.0,
             tuning: Tuning | None = None, splittable: tuple[int, int] | None = None,
@@ -163,8 +178,8 @@ def resolve(*, device: torch.device, dtype: torch.dtype, head_dim: int, keys: in
     when they can. form="auto" (fastmax) takes the linear form from linear_from_keys's key count. The
     policy's logits and weights are checked against the dtype the plan computes them in (ValueError).
     ``splittable``: (batch x heads, query rows) of a call whose keys may be split (forward only, not
-    causal, no bias); None: they may not. ``forward_only``: no gradient will be asked of the call, so
-    form="auto" takes the forward's crossover.
+    causal, no bias); None: they may not. With one query row, cosine takes the decode kernel instead.
+    ``forward_only``: no gradient will be asked of the call, so form="auto" takes the forward's crossover.
     """
     tuning = tuning or TUNING
     if backend not in BACKENDS:
@@ -215,11 +230,17 @@ def resolve(*, device: torch.device, dtype: torch.dtype, head_dim: int, keys: in
     splits = 1
     if splittable is not None and path == "tiled":
         heads, rows = splittable
-        blocks = heads * -(-rows // QUERY_TILE)
-        splits = key_splits(_sm_count(device), blocks, keys)
-        if splits > 1:
-            path = "split"
-            why.append(("keys in ", splits, " parts: ", blocks, " query blocks alone would leave SMs idle"))
+        if rows == 1 and decodes(policy):
+            # The tiled forward would pay a 128-row query tile for the one row, and a copy of K and V to zero
+            # the masked keys' rows; the decode kernel streams the kept keys once, on CUDA cores.
+            path = "decode"
+            why.append(("one query row: the decode kernel, its keys split to fill the GPU",))
+        else:
+            blocks = heads * -(-rows // QUERY_TILE)
+            splits = key_splits(_sm_count(device), blocks, keys)
+            if splits > 1:
+                path = "split"
+                why.append(("keys in ", splits, " parts: ", blocks, " query blocks alone would leave SMs idle"))
     score_dtype = KERNEL_SCORE_DTYPE if on_kernels else score_dtype_of_reference(dtype, form == "linear")
     policy.check_range(score_dtype)
     return Plan("cuda" if on_kernels else "torch", form, path, chunk, run_dtype(dtype, on_kernels), score_dtype,

@@ -2,7 +2,8 @@
 lin_read, lin_out, lin_g, lin_grad, and fwd and bwd on its diagonal blocks): float64 PyTorch on any device that
 follows each op's contract as csrc/binding/binding.cpp and csrc/linear/params.h state it, so that the Python
 glue around them (attention_cuda._kernels._LinearAttention, and its exchange between the ranks of a context
-group) runs on a CPU.
+group) runs on a CPU; and for cosine's decode kernel (attn_cuda::decode), the glue that routes a decode step
+to it (attention_cuda.functional, plan, _kernels.decode).
 
 They check the glue, not the kernels: nothing is rounded to fp16/bf16, no size limit is enforced (chunks of
 any multiple of 8 rows, say), and an image is the state itself, float64 (B, Hkv, images, F, D + 16) with
@@ -12,7 +13,7 @@ rank to rank, so a glue that mixes up scales or dtypes shows.
 """
 import torch
 
-OPS = ("lin_rows", "lin_state", "lin_read", "lin_out", "lin_g", "lin_grad", "fwd", "bwd")
+OPS = ("lin_rows", "lin_state", "lin_read", "lin_out", "lin_g", "lin_grad", "fwd", "bwd", "decode")
 
 
 def install(setattr_=setattr) -> None:
@@ -172,3 +173,20 @@ def bwd(dout, q, k, v, mask, bias, out, stat, rq, rk, causal, kind, scale, qk_no
         num, l = _block(*leaves, mask, scale, coef)
     grads = torch.autograd.grad((num, l), leaves, (dout * inv, -(dout * out.double()).sum(-1, keepdim=True) * inv))
     return (*(x.to(q.dtype) for x in grads), q.new_empty(0))
+
+
+def decode(q, k, v, mask, scale, qk_norm, splits):
+    """One query row per head over the keys the mask keeps, weights exp(x - |scale| n^2) of rows scaled to norm
+    n = qk_norm first (None: given as unit rows, n = 1), the output in q's dtype. A masked key's K and V rows
+    are never read (zeros here); the parts the kernel splits the keys into add up to these sums."""
+    assert q.shape[2] == 1 and splits >= 0, "decode: one query row per head; splits >= 0"
+    b, h, _, d = q.shape
+    keep = torch.ones(b, k.shape[2], dtype=torch.bool, device=q.device) if mask is None else mask
+    k, v = (torch.where(keep[:, None, :, None], x, 0.0).double().repeat_interleave(h // x.shape[1], dim=1)
+            for x in (k, v))
+    n, rows = (1.0, q.double()) if qk_norm is None else (qk_norm, torch.nn.functional.normalize(q.double(), dim=-1))
+    if qk_norm is not None:
+        rows, k = rows * n, torch.nn.functional.normalize(k, dim=-1) * n
+    w = torch.where(keep[:, None, None, :], torch.exp(scale * rows @ k.transpose(-1, -2) - abs(scale) * n * n), 0.0)
+    den = w.sum(-1, keepdim=True)
+    return torch.where(den > 0, (w @ v) / den, 0.0).to(q.dtype)

@@ -412,23 +412,84 @@ def test_fastmax_auto_form_on_the_kernels_follows_the_measured_crossover(fake_ke
 
 
 def test_forward_only_calls_with_few_query_blocks_split_their_keys(fake_kernels, monkeypatch):
-    """A decode step's few query blocks would leave most SMs idle: its keys go in parts (flash-decoding),
+    """A forward-only call's few query blocks would leave most SMs idle: its keys go in parts (flash-decoding),
     enough for two blocks an SM, each of at least SPLIT_MIN_KEYS keys; a call whose blocks fill half the
-    GPU, that has few keys, or needs the backward (splittable None: functional._plan's decision) runs whole."""
+    GPU, that has few keys, or needs the backward (splittable None: functional._plan's decision) runs whole.
+    (Cosine's one-row calls take the decode kernel instead: the test below.)"""
     plans = importlib.import_module("attention_cuda.plan")  # the module, which the package's plan() shadows
-    from attention_cuda.score import cosine_policy
+    from attention_cuda.score import cosine_policy, exp_policy
     assert plans.key_splits(132, 8, 131072) == 33
     assert plans.key_splits(132, 40, 131072) == 7
     assert plans.key_splits(132, 66, 131072) == 1
     assert plans.key_splits(132, 8, 1500) == 2 and plans.key_splits(132, 8, 1000) == 1
     monkeypatch.setattr(plans, "_sm_count", lambda device: 132)
 
-    def resolve(splittable, keys=131072):
+    def resolve(splittable, keys=131072, policy=exp_policy(0.5)):
         return plans.resolve(device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=64, keys=keys,
-                             policy=cosine_policy(10.0, True), splittable=splittable)
+                             policy=policy, splittable=splittable)
 
     step = resolve((8, 1))
     assert (step.path, step.splits) == ("split", 33) and "keys in 33 parts" in str(step)
-    assert resolve((8, 300)).splits == 11  # 8 heads x 3 query tiles: 264 / 24
+    assert resolve((8, 300), policy=cosine_policy(10.0, True)).splits == 11  # 8 heads x 3 query tiles: 264 / 24
     for whole in (resolve(None), resolve((66, 1)), resolve((8, 1), keys=900)):
         assert (whole.path, whole.splits) == ("tiled", 1)
+
+
+def test_cosine_calls_with_one_query_row_take_the_decode_kernel(fake_kernels, monkeypatch):
+    """A forward-only cosine call with one query row per head (a decode step) runs on the decode kernel at any
+    batch, head and key count, its q and k normalised by it or given as unit rows, and splits its keys itself
+    (plan.splits stays 1). More query rows, a gradient to come (splittable None), another family, or a scale
+    whose smallest weight of unit rows, e^(-2 |scale|), is no normal fp32 number keep the split or tiled path."""
+    plans = importlib.import_module("attention_cuda.plan")
+    from attention_cuda.score import cosine_policy, exp_policy, poly_policy
+    monkeypatch.setattr(plans, "_sm_count", lambda device: 132)
+
+    def resolve(policy, splittable, keys=131072):
+        return plans.resolve(device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=64, keys=keys,
+                             policy=policy, splittable=splittable)
+
+    assert plans.DECODE_MAX_BOUND == pytest.approx(63 * math.log(2))  # fp32's smallest normal, 2^-126
+    for policy in (cosine_policy(10.0, True), cosine_policy(10.0, False), cosine_policy(-43.0, True)):
+        for splittable, keys in (((8, 1), 131072), ((128, 1), 131072), ((8, 1), 100)):
+            step = resolve(policy, splittable, keys)
+            assert (step.path, step.splits) == ("decode", 1) and "the decode kernel" in str(step), str(step)
+    assert resolve(cosine_policy(10.0, True), (8, 2)).path == "split"
+    assert resolve(cosine_policy(10.0, True), None).path == "tiled"
+    assert resolve(cosine_policy(1.01 * plans.DECODE_MAX_BOUND, False), (8, 1)).path == "split"
+    assert resolve(exp_policy(0.5), (8, 1)).path == "split"
+    assert resolve(poly_policy(2, 1.0, 1.0, 0.5, 1.0, False, 1.0), (8, 1)).path == "split"
+
+
+def test_a_decode_step_on_the_kernels_reaches_the_decode_op(monkeypatch):
+    """functional's glue to attn_cuda::decode (kernel_standins' stand-in, on a CPU, with the plan told that the
+    kernels run): a forward-only cosine call with one query row per head, grouped kv heads and a key mask, runs
+    it in the plan's dtype with the call's scale and qk norm, its q and k normalised there or given as unit rows,
+    and NaN behind the mask reaches no output; with a gradient to come the same call takes the tiled kernels."""
+    import functools
+
+    import kernel_standins
+    from attention_cuda import functional
+    from attention_cuda.score import cosine_policy
+    plans = importlib.import_module("attention_cuda.plan")
+    monkeypatch.setattr(plans, "kernels_reason", lambda device, dtype, head_dim: None)
+    kernel_standins.install(functools.partial(monkeypatch.setattr, raising=False))
+    seen, run = [], functional._run
+    monkeypatch.setattr(functional, "_run", lambda plan, *a, **kw: seen.append(plan) or run(plan, *a, **kw))
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 1, 16, generator=gen)
+    k, v = (torch.randn(3, 2, 50, 16, generator=gen) for _ in range(2))
+    mask = torch.rand(3, 50, generator=gen) > 0.3
+    mask[-1] = False  # a batch row that sees no key: zeros
+    for x in (k, v):
+        x.masked_fill_(~mask[:, None, :, None], float("nan"))
+    unit = functools.partial(torch.nn.functional.normalize, dim=-1)
+    for l2norm, (qs, ks) in ((True, (q, k)), (False, (unit(q), unit(k)))):
+        want = cosine_sim_attention(qs.double(), ks.double(), v.double(), mask=mask, scale=7.0, l2norm_qk=l2norm,
+                                    backend="torch")
+        with torch.no_grad():
+            got = cosine_sim_attention(qs, ks, v, mask=mask, scale=7.0, l2norm_qk=l2norm, backend="cuda")
+        assert seen[-1].path == "decode" and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+        assert (got[-1] == 0).all()
+    call = functional._canonicalize(q.clone().requires_grad_(), k, v, mask)
+    assert functional._plan(call, False, cosine_policy(7.0, True), "cuda").path == "tiled"

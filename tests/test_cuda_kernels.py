@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention_cuda import build, cosine_sim_attention, exp_attention, fastmax_attention
+from attention_cuda import _extension, build, cosine_sim_attention, exp_attention, fastmax_attention
 from helpers import rule_violation
 
 pytestmark = pytest.mark.gpu
@@ -177,7 +177,8 @@ def test_forward_over_split_keys_matches_float64(monkeypatch, dtype, family):
     the parts merged by their row statistics: one batch row (parts folded into the batch, and a remainder),
     several batch rows with grouped heads, one and a few queries, a key mask as a decode cache has (parts
     it hides whole, a row that sees nothing, garbage behind it); the fixed shift (cosine), the running max
-    (pre-normalised cosine) and unnormalised rows (exp) all merge."""
+    (pre-normalised cosine) and unnormalised rows (exp) all merge. Cosine's calls with one query row take
+    the decode kernel instead (path "decode"; its own tests below)."""
     import attention_cuda.functional as functional
     plans, run = [], functional._run
     monkeypatch.setattr(functional, "_run", lambda plan, *a, **kw: plans.append(plan) or run(plan, *a, **kw))
@@ -195,11 +196,111 @@ def test_forward_over_split_keys_matches_float64(monkeypatch, dtype, family):
                              for dt in (torch.float64, dtype))
             poison_allocator()
             kernel = call(*(t.to(dtype) for t in leaves), backend="cuda", **kw)
-        assert plans[-1].path == "split" and plans[-1].splits > 1, str(plans[-1])
+        if family.startswith("cosine") and shape[3] == 1:
+            assert plans[-1].path == "decode", str(plans[-1])
+        else:
+            assert plans[-1].path == "split" and plans[-1].splits > 1, str(plans[-1])
         problem = rule_violation(kernel, torch_dt, ref, dtype)
         if problem:
             problems.append(f"{shape}: {problem}")
     assert not problems, "\n".join(problems)
+
+
+DECODE_SHAPES = [  # (b, h, h_kv, j): one query row per head over j keys
+    (1, 8, 8, 1000),   # the base model's heads, one batch row
+    (3, 8, 2, 4097),   # four query heads a kv head, one block for all of them; j one past a power of two
+    (2, 6, 2, 1000),   # three query heads a kv head: a block each, over the same keys
+    (2, 16, 1, 4097),  # multi-query: 16 heads over one kv head, two blocks of eight
+]
+
+
+def decode_case(shape, d, prenormed, masked, seed):
+    """float64 q (b, h, 1, d), k, v and a key mask (or None): single keys hidden, a run of a quarter of the
+    keys (whole parts of the kernel's split), a last batch row that sees no key, NaN behind the mask."""
+    b, h, hkv, j = shape
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.float64)  # noqa: E731
+    q, k, v = rand(b, h, 1, d), rand(b, hkv, j, d), rand(b, hkv, j, d)
+    if prenormed:  # a decode cache's unit keys and a query normalised as it reads them
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    if not masked:
+        return (q, k, v), None
+    mask = torch.rand(b, j, generator=g, device="cuda") > 0.3
+    mask[:, j // 4:j // 2] = False
+    if b > 1:
+        mask[-1] = False
+    for t in (k, v):
+        t.masked_fill_(~mask[:, None, :, None], float("nan"))
+    return (q, k, v), mask
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["all_keys", "mask"])
+@pytest.mark.parametrize("prenormed", [False, True], ids=["l2norm", "unit_rows"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+def test_decode_kernel_matches_float64(monkeypatch, dtype, d, prenormed, masked):
+    """A forward-only cosine call with one query row per head (a decode step) runs on the decode kernel (plan
+    path "decode"), which splits the keys itself: ungrouped, grouped and multi-query heads, one and several
+    batch rows, key counts that are multiples of nothing; q and k normalised by the kernel or given as unit
+    rows; without a mask, and with one that hides single keys, whole parts and a whole batch row (zeros),
+    with NaN in the masked K and V slots, which must reach no output. Outputs start as NaN (the allocator's)."""
+    import attention_cuda.functional as functional
+    plans, run = [], functional._run
+    monkeypatch.setattr(functional, "_run", lambda plan, *a, **kw: plans.append(plan) or run(plan, *a, **kw))
+    call = lambda q, k, v, **kw: cosine_sim_attention(q, k, v, scale=10.0, l2norm_qk=not prenormed, **kw)  # noqa: E731
+    problems = []
+    for n, shape in enumerate(DECODE_SHAPES):
+        leaves, mask = decode_case(shape, d, prenormed, masked, seed=n)
+        with torch.no_grad():
+            ref, torch_dt = (call(*(t.to(dt) for t in leaves), mask=mask, backend="torch")
+                             for dt in (torch.float64, dtype))
+            poison_allocator()
+            kernel = call(*(t.to(dtype) for t in leaves), mask=mask, backend="cuda")
+        assert plans[-1].path == "decode", str(plans[-1])
+        problem = rule_violation(kernel, torch_dt, ref, dtype)
+        if problem:
+            problems.append(f"{shape}: {problem}")
+        if mask is not None and shape[0] > 1 and not (kernel[-1] == 0).all():
+            problems.append(f"{shape}: the batch row that sees no key is not zeros")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda t: str(t).split(".")[-1])
+def test_decode_kernel_over_any_split_of_the_keys(dtype):
+    """attn_cuda::decode with its parts given: one, a few, parts of a few keys, of one key, more parts than
+    keys (as many as keys run), and its own choice (0) all meet the rule; the parts a cache's mask hides
+    whole (its unwritten slots, NaN here) add nothing, and the batch row with no key written gives zeros.
+    Strided inputs as a model holds them: q a view of a packed projection, k and v interleaved in one
+    tensor. It refuses more than one query row, and a scale whose weights leave fp32's normal range."""
+    reason = _extension.unavailable_reason()  # loads the ops
+    assert reason is None, reason
+    b, h, hkv, j, d = 2, 8, 2, 1000, 64
+    g = torch.Generator(device="cuda").manual_seed(5)
+    qp = torch.randn(b, 1, h, 2 * d, generator=g, device="cuda", dtype=torch.float64)  # (b, t, h, 2d): q's half
+    kv = torch.randn(b, hkv, j, 2, d, generator=g, device="cuda", dtype=torch.float64)
+    mask = torch.arange(j, device="cuda") < torch.tensor([700, 0], device="cuda")[:, None]
+    kv.masked_fill_(~mask[:, None, :, None, None], float("nan"))
+
+    def views(qp, kv):
+        return qp[..., :d].transpose(1, 2), kv[..., 0, :], kv[..., 1, :]
+
+    ref, torch_dt = (cosine_sim_attention(*(t.to(dt) for t in views(qp, kv)), mask=mask, scale=10.0, backend="torch")
+                     for dt in (torch.float64, dtype))
+    qx, kx, vx = views(qp.to(dtype), kv.to(dtype))
+    problems = []
+    for splits in (0, 1, 3, 333, 999, 1000, 5000):
+        poison_allocator()
+        out = torch.ops.attn_cuda.decode(qx, kx, vx, mask, 10.0, 1.0, splits)
+        problem = rule_violation(out, torch_dt, ref, dtype)
+        if problem:
+            problems.append(f"splits={splits}: {problem}")
+        if not (out[-1] == 0).all():
+            problems.append(f"splits={splits}: the batch row that sees no key is not zeros")
+    assert not problems, "\n".join(problems)
+    with pytest.raises(RuntimeError, match="one query row"):
+        torch.ops.attn_cuda.decode(qx.expand(b, h, 2, d), kx, vx, mask, 10.0, 1.0, 0)
+    with pytest.raises(RuntimeError, match="normal range"):
+        torch.ops.attn_cuda.decode(qx, kx, vx, mask, 50.0, 1.0, 0)
 
 
 def test_forward_bits_are_reproducible():

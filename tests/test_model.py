@@ -351,8 +351,8 @@ def test_a_captured_decode_step_replays_the_eager_one(overrides):
 @pytest.mark.gpu
 @pytest.mark.parametrize("attention", ["cosine", "fastmax"])
 def test_decoding_on_our_kernels_matches_float64(attention):
-    """On our kernels, in bf16, a decode step is one query over the cache (cosine: unit keys, split over
-    them; fastmax: the fp32 moments): its logits stay as close to the float64 reference model's as the
+    """On our kernels, in bf16, a decode step is one query over the cache (cosine: unit keys, on the decode
+    kernel; fastmax: the fp32 moments): its logits stay as close to the float64 reference model's as the
     whole window's on the same kernels (the FlashAttention rule: at most 2x that error, plus an atol)."""
     torch.manual_seed(0)
     model = GPT(tiny(attention=attention, use_cuda_kernel=True, n_head=2, n_embd=128, seq_len=2048)).cuda().eval()

@@ -1,4 +1,5 @@
-// Torch ops over the kernels: attn_cuda::fwd, attn_cuda::bwd and attn_cuda::head_dims.
+// Torch ops over the kernels: attn_cuda::fwd, attn_cuda::bwd, cosine's attn_cuda::decode, the linear form's, and
+// what the Python side asks of the build (attn_cuda::head_dims, ...).
 // They run on the current stream, never synchronise the host, and check their inputs with TORCH_CHECK
 // (the Python layer validates first and raises ValueError/NotImplementedError with argument names).
 #include <ATen/ATen.h>
@@ -14,6 +15,7 @@
 #include <tuple>
 #include <utility>
 
+#include "../decode/params.h"
 #include "registry.h"
 
 namespace attn {
@@ -195,6 +197,42 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_fwd(const Tensor& q, con
   p.section = causal ? attn::section_heads(c.B * c.H, 2 * int64_t{c.J} * c.D * q.element_size() / p.group) : 1;
   check_ok(c.fwd(p, score.score, stream), "forward kernel");
   return {out, stat, rq, rk, kn};
+}
+
+// Cosine's decode step (decode/decode.cu): out (B, H, 1, D) = softmax(scale q.k) v over the keys mask keeps, each
+// query's one row, q and k scaled to norm qk_norm first (None: they are unit rows already, the caller says, as
+// attention_cuda's l2norm_qk=False does). The weights are exp(x - |scale| n^2) in fp32 with no running max,
+// so |scale| n^2 must leave the smallest, e^(-2 |scale| n^2), a normal fp32 number. splits: parts of each
+// (batch, kv head)'s keys, one block each; 0: as many as fill one wave of the GPU (decode_splits).
+Tensor attn_decode(const Tensor& q, const Tensor& k, const Tensor& v, const optional<Tensor>& mask, double scale,
+                   optional<double> qk_norm, int64_t splits) {
+  const Call c = check_inputs(q, k, v, mask, c10::nullopt);
+  TORCH_CHECK(c.I == 1, "attn_cuda: decode: q must hold one query row (B, H, 1, D), got ", c.I, " rows");
+  TORCH_CHECK(c.D % 8 == 0 && c.D <= attn::kDecodeMaxDim, "attn_cuda: decode: head dim ", c.D,
+              " must be a multiple of 8 up to ", attn::kDecodeMaxDim);
+  TORCH_CHECK(splits >= 0, "attn_cuda: decode: splits must be >= 0 (0: the kernel's choice), got ", splits);
+  constexpr double kLog2e = 1.4426950408889634;
+  const double alpha = scale * (qk_norm ? *qk_norm * *qk_norm : 1.0) * kLog2e;
+  TORCH_CHECK(2 * std::abs(alpha) <= 126.0, "attn_cuda: decode: scale ", scale, " puts the smallest weight of unit ",
+              "rows, 2^(-2 |alpha|) with |alpha| = ", std::abs(alpha), ", below fp32's normal range");
+  const c10::cuda::CUDAGuard guard(q.device());
+  attn::DecodeParams p{};
+  p.B = c.B, p.H = c.H, p.Hkv = c.Hkv, p.J = c.J, p.D = c.D, p.group = c.H / c.Hkv;
+  p.q = c.q.data_ptr(), p.k = c.k.data_ptr(), p.v = c.v.data_ptr();
+  p.q_sb = c.q.stride(0), p.q_sh = c.q.stride(1);
+  p.k_sb = c.k.stride(0), p.k_sh = c.k.stride(1), p.k_sj = c.k.stride(2);
+  p.v_sb = c.v.stride(0), p.v_sh = c.v.stride(1), p.v_sj = c.v.stride(2);
+  if (c.mask.defined()) p.mask = reinterpret_cast<const uint8_t*>(c.mask.data_ptr<bool>()), p.mask_sb = c.mask.stride(0);
+  p.alpha = static_cast<float>(alpha), p.shift = static_cast<float>(std::abs(alpha)), p.qk_norm = qk_norm.has_value();
+  int parts = static_cast<int>(std::min<int64_t>(splits, c.J));
+  if (parts == 0) check_ok(attn::decode_splits(c.dtype, p, &parts), "decode_splits");
+  p.splits = parts, p.split_keys = (c.J + parts - 1) / parts;
+  const auto f32 = q.options().dtype(at::kFloat);
+  Tensor num = at::empty({c.B, c.H, parts, c.D}, f32), den = at::empty({c.B, c.H, parts}, f32);
+  Tensor out = at::empty({c.B, c.H, 1, c.D}, q.options());
+  p.num = num.data_ptr<float>(), p.den = den.data_ptr<float>(), p.out = out.data_ptr();
+  check_ok(attn::run_decode(c.dtype, p, c10::cuda::getCurrentCUDAStream()), "decode kernel");
+  return out;
 }
 
 // k: the keys the forward ran on, its kn under the qk norm (attn_fwd).
@@ -530,6 +568,7 @@ TORCH_LIBRARY(attn_cuda, m) {
         "-> (Tensor, Tensor)");
   m.def("chunked_head_dims(ScalarType dtype) -> int[]", &chunked_head_dims);
   m.def("chunked_image_bytes(int D, bool second) -> int", &chunked_image_bytes);
+  m.def("decode(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float? qk_norm, int splits) -> Tensor");
   m.def("stat_is_log(str kind, float scale, float? qk_norm, float[] coef, bool normalize, bool has_bias, "
         "ScalarType dtype) -> bool", &stat_is_log);
 }
@@ -537,6 +576,7 @@ TORCH_LIBRARY(attn_cuda, m) {
 TORCH_LIBRARY_IMPL(attn_cuda, CUDA, m) {
   m.impl("fwd", &attn_fwd);
   m.impl("bwd", &attn_bwd);
+  m.impl("decode", &attn_decode);
   m.impl("linear", &attn_linear);
   m.impl("lin_rows", &attn_lin_rows);
   m.impl("lin_out", &attn_lin_out);

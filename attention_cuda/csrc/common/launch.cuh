@@ -1,4 +1,4 @@
-// Host-side pieces every launcher uses: grid arithmetic, the Dtype of an element type, and the launch.
+// Host-side pieces every launcher uses: grid arithmetic, the Dtype of an element type and back, and the launch.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -15,6 +15,17 @@ __host__ __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) 
 template <class T>
 constexpr Dtype dtype_of() {
   return sizeof(T) == 4 ? Dtype::kF32 : std::is_same_v<T, __half> ? Dtype::kF16 : Dtype::kBF16;
+}
+
+// f(T{}) for the element type T of dtype: a launcher's choice of instantiation.
+template <class F>
+cudaError_t by_dtype(Dtype dtype, F&& f) {
+  switch (dtype) {
+    case Dtype::kF16: return f(__half{});
+    case Dtype::kBF16: return f(__nv_bfloat16{});
+    case Dtype::kF32: return f(float{});
+  }
+  return cudaErrorInvalidValue;
 }
 
 // Launch kernel(p) on `blocks` CTAs (at most 2^31 - 1; a 1-D grid unless one is given) with `smem` bytes

@@ -1,8 +1,9 @@
 // The warp-per-rows machinery of the row passes around the kernels (quadratic/rows.cu, linear/rows.cu):
 // each warp owns kRowsPerWarp rows at a time and issues the loads of all of them before it reduces any.
 // The grid is (batch x head, row blocks), rows striding past the grid's 65535-block height, so no
-// thread divides a 64-bit row index (bench/notes/run-09.md). Included by those two translation units
-// only: the helpers are theirs alone (an unnamed namespace), as their kernels are.
+// thread divides a 64-bit row index (bench/notes/run-09.md). Included by those two translation units and
+// the decode kernel's (decode/decode.cu, which sums a row's lanes with lanes_sum): the helpers are theirs
+// alone (an unnamed namespace), as their kernels are.
 #pragma once
 #include <algorithm>
 

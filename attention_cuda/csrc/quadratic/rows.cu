@@ -1,5 +1,6 @@
 // Row-wise passes around the quadratic kernels: 1/|k| and the unit keys k/|k| that the kernels read,
 // delta = rowsum(dO * O) for the backward, and the dQ epilogue (common/rows.cuh: how the rows are split).
+#include "../common/launch.cuh"
 #include "../common/rows.cuh"
 #include "params.h"
 
@@ -237,16 +238,6 @@ __global__ void __launch_bounds__(kWarps * 32) dq_finalize_tiles_kernel(const Pa
     for (int e = 0; e < 4; ++e) out[e] = p.score.grad_scale * (b[e] - proj * a[j][e]);
     if (t < p.I) stg_vec(dq + static_cast<int64_t>(t) * D + col, out);
   }
-}
-
-template <class F>
-cudaError_t by_dtype(Dtype dtype, F&& f) {
-  switch (dtype) {
-    case Dtype::kF16: return f(__half{});
-    case Dtype::kBF16: return f(__nv_bfloat16{});
-    case Dtype::kF32: return f(float{});
-  }
-  return cudaErrorInvalidValue;
 }
 
 }  // namespace
