@@ -303,14 +303,21 @@ def _state(ux, uw, upd, causal, reverse, second, coef):
     return torch.ops.attn_cuda.lin_state(ux, uw, upd, causal, reverse, second, coef, scale), scale
 
 
+def _image_max(dtype: torch.dtype) -> float | None:
+    """The magnitude below which an image of dtype holds its state, or None where any scale would do: fp16
+    images are held below 2^14 (its max is 65504); bf16 has fp32's range, and its images take scale 1."""
+    return 2.0 ** 14 if dtype == torch.float16 else None
+
+
 def _image_scale(ux, uw, upd, coef):
-    """The power of two the chunked kernels store S at (one fp32 on the device): fp16 images hold S below
-    2^14 by a bound on |S| (rows x max |phi| x max |w|); bf16 has fp32's range and takes 1."""
-    if ux.dtype != torch.float16:
+    """The power of two the chunked kernels store S at (one fp32 on the device): under _image_max by a bound
+    on |S| (rows x max |phi| x max |w|), else 1."""
+    image_max = _image_max(ux.dtype)
+    if image_max is None:
         return torch.ones(1, device=ux.device)
     rows = ux.shape[1] * ux.shape[3] * upd
     bound = (ux.abs().amax().float().clamp_min(1.0) ** 2 * uw.abs().amax().float()
              * (rows * max(abs(coef[0]), abs(coef[1]), 2 * abs(coef[2]))))
-    return torch.exp2(torch.floor(torch.log2(2.0 ** 14 / bound.clamp_min(1e-30)))).reshape(1)
+    return torch.exp2(torch.floor(torch.log2(image_max / bound.clamp_min(1e-30)))).reshape(1)
 
 
