@@ -147,14 +147,15 @@ class _LinearAttention(torch.autograd.Function):
     With an exchange (one rank's slice of a sequence; linear_attention) the other ranks' keys add to y
     before lin_out, so that out and 1/l are the whole row's, which is all the backward's pieces need to
     give their exact share. Forward: the state of this rank's keys, all chunks (a non-causal image), goes
-    out to the ranks whose queries see them, and each incoming image (the earlier ranks': the exclusive
-    prefix, read image by image rather than summed, since images do not add) is read by every chunk
-    (R1). Backward, its reverse: dq also reads the incoming images against g (R2); the moments of
-    psi(q) g^T over all this rank's rows go back to the ranks whose keys these queries saw, and the
-    images that come back from the ranks that saw this rank's keys are read by its keys like the
-    reverse moments (R1: dv, R2: dk). The ranks agree on one mu (the mean over all their keys), so that
-    every image holds the same v - mu; g's scale is each rank's own, so an incoming image's reads are
-    brought to this rank's (both powers of two). No K or V leaves its rank.
+    out to the ranks whose queries see them; the incoming images (the earlier ranks': the exclusive
+    prefix) are summed into one (_summed_image) and every chunk reads it (R1). Backward, its reverse: dq
+    also reads that sum against g (R2); the moments of psi(q) g^T over all this rank's rows go back to
+    the ranks whose keys these queries saw, and the images that come back from the ranks that saw this
+    rank's keys are summed into one, which its keys read like the reverse moments (R1: dv, R2: dk). So a
+    rank reads at most one incoming image per direction, whatever the group's size. The ranks agree on
+    one mu (the mean over all their keys), so that every image holds the same v - mu; g's scale is each
+    rank's own, so a returned image is brought to this rank's in the sum (both powers of two). No K or V
+    leaves its rank.
     """
 
     @staticmethod
@@ -179,7 +180,7 @@ class _LinearAttention(torch.autograd.Function):
         vs = ops.lin_rows(v, mask, mu, shift_k, n_pad, d + 16, chunk)
         cr = [coefs[0], coefs[1] * scale, coefs[2] * scale * scale]  # the query side's, temperature included
         second, group = coefs[2] != 0, h // hkv
-        sent, ctx.seen = None, []  # ctx.seen: (image, scale) of each rank whose keys these queries see
+        sent, ctx.seen = None, None  # ctx.seen: (image, scale) of the keys of the ranks these queries see, summed
         if exchange is not None:
             # This rank's keys, whole, for the ranks whose queries see them: sent while the local work runs.
             # Without causal the local moments are that same state.
@@ -200,9 +201,9 @@ class _LinearAttention(torch.autograd.Function):
             keep_c = torch.nn.functional.pad(keep, (shift_k, n_pad - j - shift_k)).view(-1, chunk)
             diag = ops.fwd(*_diagonal(qc, kc, vc), keep_c, None, True, "poly", scale, None, coefs, True)[:2]
         if exchange is not None:
-            ctx.seen = incoming.wait()
-        for image, image_scale in ctx.seen:
-            y += ops.lin_read(qc, None, image, group, second, d + 1, image_scale)[0]
+            ctx.seen = _summed_image(incoming.wait(), qc.dtype)
+        if ctx.seen is not None:
+            y += ops.lin_read(qc, None, ctx.seen[0], group, second, d + 1, ctx.seen[1])[0]
         out, inv_l = ops.lin_out(y, *diag, mu_h, shift_q, i, q.dtype)
         ctx.save_for_backward(mask, qc, kc, vc, vs, keep_c, out, inv_l, mu_h, *(state or (None, None)))
         ctx.args = (causal, coefs, scale, cr, shift_q, shift_k, j, chunked)
@@ -235,17 +236,19 @@ class _LinearAttention(torch.autograd.Function):
             returned = ctx.exchange.gradients(*sent, gscale)
         # [1] and [:2]: an image made here is freed once read (holding dq's through dk's costs 1.5 GiB at d128).
         dq = _moments(chunked, kc, vs, qc, g, 1, group, causal, False, second, [1.0, 1.0, 1.0], cr, 0, state)[1]
-        for image, image_scale in ctx.seen:
-            dq += ops.lin_read(qc, g, image, group, second, 0, image_scale)[1]
+        if ctx.seen is not None:
+            dq += ops.lin_read(qc, g, ctx.seen[0], group, second, 0, ctx.seen[1])[1]
         dv, dk = _moments(chunked, qc, g, kc, vs, group, 1, causal, True, second, cr, [1.0, 1.0, 1.0], d,
                           None if causal else sent)[:2]
         if ctx.exchange is not None:
-            # (image, scale, g's scale) of each rank whose queries saw these keys
-            for image, image_scale, their_gscale in returned.wait():
-                r1, r2 = ops.lin_read(kc, vs, image, 1, second, d, image_scale)
-                to_ours = their_gscale / gscale  # their g's scale to ours: a ratio of powers of two, exact
-                dv += r1 * to_ours
-                dk += r2 * to_ours
+            # (image, scale, g's scale) of each rank whose queries saw these keys. Its g is over its own scale: read
+            # at scale * ours / theirs (powers of two, exact), an image gives its moments over our g's scale.
+            summed = _summed_image([(image, image_scale * gscale / their_gscale)
+                                    for image, image_scale, their_gscale in returned.wait()], kc.dtype)
+            if summed is not None:
+                r1, r2 = ops.lin_read(kc, vs, summed[0], 1, second, d, summed[1])
+                dv += r1
+                dk += r2
         diag = (None, None, None)
         if causal:
             rows = (b * n_pad // chunk, h, chunk, d)
@@ -305,7 +308,8 @@ def _state(ux, uw, upd, causal, reverse, second, coef):
 
 def _image_max(dtype: torch.dtype) -> float | None:
     """The magnitude below which an image of dtype holds its state, or None where any scale would do: fp16
-    images are held below 2^14 (its max is 65504); bf16 has fp32's range, and its images take scale 1."""
+    images are held below 2^14 (its max is 65504); bf16 has fp32's range, and its images take scale 1. The
+    one place that says which images are bounded, for _image_scale and _summed_image alike."""
     return 2.0 ** 14 if dtype == torch.float16 else None
 
 
@@ -319,5 +323,33 @@ def _image_scale(ux, uw, upd, coef):
     bound = (ux.abs().amax().float().clamp_min(1.0) ** 2 * uw.abs().amax().float()
              * (rows * max(abs(coef[0]), abs(coef[1]), 2 * abs(coef[2]))))
     return torch.exp2(torch.floor(torch.log2(image_max / bound.clamp_min(1e-30)))).reshape(1)
+
+
+def _summed_image(images, dtype: torch.dtype):
+    """(image, scale): one image of the sum of the states of ``images``, pairs (image, scale) of lin_state's
+    images of one shape in dtype, each at a power-of-two scale of its own, such that lin_read of the sum gives
+    the sum of lin_read of each; None for no images. One read of the sum costs what one image's read costs,
+    however many images there are.
+
+    An image is its state times the coefficients times its scale, element by element in dtype (the rows'),
+    every element written (the tiles' padding as zeros), and the swizzle is the same in every image:
+    so images add elementwise once they are at one scale. Each is brought to the common scale (a power of two
+    over its own: exact), they are summed in fp32 and cast once. Under _image_max an image is below it at its
+    own scale, so the sum of the states is below (its max) x sum_s 1 / scale_s: the common scale is the largest
+    power of two at most 1 / sum_s 1 / scale_s, which keeps the sum below the max as well (one image keeps its
+    own scale, and comes back as it was). Otherwise 1, as _image_scale's.
+
+    A scale may be infinite: a rank whose gradient is all zeros has g's least scale, and its image (zeros)
+    comes at an infinite scale relative to another rank's g. It adds nothing (a factor of 0); the clamp
+    keeps the common scale finite when no other image does."""
+    if not images:
+        return None
+    scales = torch.cat([scale for _, scale in images])
+    if _image_max(dtype) is None:
+        common = torch.ones(1, device=scales.device)
+    else:
+        common = torch.exp2(torch.floor(-torch.log2(scales.reciprocal().sum()))).clamp(max=2.0 ** 126).reshape(1)
+    total = sum(image.view(dtype).float() * (common / scale) for image, scale in images)
+    return total.to(dtype).view(torch.uint8), common
 
 

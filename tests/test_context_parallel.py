@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import kernel_standins
-from attention_cuda import Tuning, _extension, cosine_sim_attention, fastmax_attention
+from attention_cuda import Tuning, _extension, _kernels, cosine_sim_attention, fastmax_attention
 from helpers import rule_violation, spawn_group
 from model import GPT, GPTConfig, context_parallel
 from model.context_parallel import context_zigzag, cosine_ring_attention, fastmax_context_parallel, shard_sequence
@@ -126,10 +126,12 @@ def drifting_sequence(b: int, h: int, kv_heads: int, t: int, d: int, device="cpu
 def check_standin_kernels(rank: int, world: int, causal: bool, kv_heads: int, group=None) -> None:
     """fastmax_context_parallel(backend="cuda") on the kernels' stand-ins (kernel_standins: the ops' contracts in
     float64 PyTorch, outputs in the ops' dtypes) in fp32, this rank's rows against the float64 single-process
-    reference: the glue around the kernels (the incoming images read into y before lin_out, g's images sent
-    back, their scales, the mean the ranks agree on), not the kernels."""
+    reference: the glue around the kernels (the incoming images summed and read into y before lin_out, g's
+    images sent back and summed, their scales, the mean the ranks agree on), not the kernels. Keys that grow
+    2x from rank to rank put each rank's image at a scale of its own (run_standin_kernels' fp16 rule)."""
     t = 40 * world  # 40 rows a rank: chunks of 16, the last one part full
     q, k, v, d_out = drifting_sequence(B, H, kv_heads, t, D)
+    k = k * torch.exp2(torch.linspace(0, world - 1, t, dtype=torch.float64))[:, None]
     expected = output_and_grads(functools.partial(REFERENCES["fastmax"], causal=causal), (q, k, v), d_out)
 
     _, positions = shard_sequence(torch.zeros(1, t), rank, world)
@@ -146,6 +148,9 @@ def check_standin_kernels(rank: int, world: int, causal: bool, kv_heads: int, gr
 def run_standin_kernels(rank: int, world: int) -> None:
     kernel_standins.install()
     context_parallel._kernels_reason = lambda *args: None  # the stand-ins run on a CPU, in fp32
+    # fp16's images on the fp32 rows: each at a scale from its own rank's keys or g, which the ranks' sums of
+    # images must bring to one (and keep under fp16's bound, which the stand-ins check).
+    _kernels._image_max = lambda dtype: 2.0 ** 14
     for causal, kv_heads in [(True, H), (False, H), (True, 2)]:
         check_standin_kernels(rank, world, causal, kv_heads)
     if world == 4:  # two sequences side by side on groups of two, as beside data parallelism

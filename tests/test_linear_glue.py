@@ -56,3 +56,43 @@ def test_an_exchange_needs_the_chunked_kernels():
     with pytest.raises(ValueError, match="exchange: .* expected chunked=True"):
         _kernels.linear_attention(q, q, q, None, True, poly_policy(**DEFAULTS), torch.bfloat16, 128, False,
                                   exchange=object())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda t: str(t).split(".")[-1])
+def test_images_at_scales_of_their_own_sum_to_one_image_of_the_sum_of_their_states(dtype):
+    """_summed_image on images as the kernels hold them (bytes of dtype's elements, each state at a power-of-two
+    scale of its own): the sum reads as the sum of the states, rounded once, and under fp16's bound even where
+    every image is at its bound with one sign; one image comes back as it was; a zero image at an infinite
+    scale (a rank whose gradient is zero) adds nothing, and alone reads as zeros."""
+    gen = torch.Generator().manual_seed(0)
+    bound = _kernels._image_max(dtype)
+    scales = [2.0 ** -3, 1.0, 2.0 ** 5, 1.0]
+    elements = [(torch.rand(1, 2, 1, 48, generator=gen, dtype=torch.float64) * 2 - 1) * 2.0 ** 14 for _ in scales]
+    for e in elements:
+        e[..., 0] = 2.0 ** 14  # the largest an image holds (at its bound, for fp16), all of one sign
+    images = [(e.to(dtype).view(torch.uint8), torch.tensor([s])) for e, s in zip(elements, scales)]
+
+    def state(image, scale):
+        return image.view(dtype).double() / scale.double()
+
+    summed, common = _kernels._summed_image(images, dtype)
+    expected = sum(state(*pair) for pair in images)
+    assert summed.dtype == torch.uint8 and summed.shape == images[0][0].shape
+    assert torch.isfinite(summed.view(dtype)).all()
+    if bound is not None:
+        assert summed.view(dtype).abs().max() <= bound
+    eps = torch.finfo(dtype).eps  # one rounding of the sum (half an ulp), and the images' own are in expected
+    torch.testing.assert_close(state(summed, common), expected, rtol=0, atol=eps * expected.abs().max().item())
+
+    alone, alone_scale = _kernels._summed_image(images[2:3], dtype)
+    torch.testing.assert_close(state(alone, alone_scale), state(*images[2]), rtol=0, atol=0)
+    if bound is not None:
+        assert torch.equal(alone, images[2][0]) and alone_scale.item() == scales[2]
+
+    zero = (torch.zeros(1, 2, 1, 48, dtype=dtype).view(torch.uint8), torch.tensor([float("inf")]))
+    with_zero = _kernels._summed_image([zero, images[1]], dtype)
+    torch.testing.assert_close(state(*with_zero), state(*images[1]), rtol=0, atol=0)
+    zero_alone = _kernels._summed_image([zero], dtype)
+    assert torch.isfinite(zero_alone[1]).all() and torch.equal(state(*zero_alone), torch.zeros(1, 2, 1, 48,
+                                                                                                 dtype=torch.float64))
+    assert _kernels._summed_image([], dtype) is None
