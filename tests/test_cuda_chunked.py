@@ -7,7 +7,7 @@ sweep's plus 1e-3; end to end, through fastmax_attention, both meet the FA rule 
 import pytest
 import torch
 
-from attention_cuda._kernels import _image_scale
+from attention_cuda._kernels import _image_scale, _summed_image
 from test_cuda_kernels import LINEAR_DTYPES
 
 pytestmark = pytest.mark.gpu
@@ -83,6 +83,42 @@ def test_chunked_matches_float64(dtype, d, order, p, heads):
     for name, new, sweep, ref, cols in (("R1", n1, s1, f1, d + 1), ("R2", n2, s2, f2, d)):
         assert torch.isfinite(new[..., :cols]).all(), name
         assert err(new, ref, cols) <= 2 * err(sweep, ref, cols) + 1e-3, (name, err(new, ref, cols), err(sweep, ref, cols))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", LINEAR_DTYPES, ids=lambda t: str(t).split(".")[-1])
+def test_images_at_scales_of_their_own_summed_read_as_the_sum_of_their_states(dtype, d):
+    """_summed_image on lin_state's images (context parallelism sums the ranks' images this way): an image is its
+    state element by element in the rows' dtype, so images of three sets of rows, each at the scale
+    linear_attention gives it (fp16: different ones), brought to one scale and added, read as the state of all
+    their rows. Same error rule as above, against the sum of the three images' reads."""
+    o = ops()
+    if d not in o.chunked_head_dims(dtype):
+        pytest.skip(f"no chunked kernel for {dtype} d{d}")
+    gen = torch.Generator(device="cuda").manual_seed(d + 3)
+    B, C, L, hkv, upd, rd = 2, 2, 128, 2, 2, 1
+    coef = [0.7, 0.5, 0.125]
+    rx = rows((B, C, hkv * rd, L), d, dtype, gen, 0.3)
+    rg = rows((B, C, hkv * rd, L), d, dtype, gen, 0.01)
+    images, parts, refs = [], [], []
+    for spread in (0.3, 1.0, 3.0):  # states of different sizes, so fp16 images at scales of their own
+        ux, uw = rows((B, C, hkv * upd, L), d, dtype, gen, spread), rows((B, C, hkv * upd, L), d, dtype, gen)
+        scale = _image_scale(ux, uw, upd, coef)
+        images.append((o.lin_state(ux, uw, upd, False, False, True, coef, scale), scale))
+        parts.append(o.lin_read(rx, rg, images[-1][0], rd, True, d + 8, scale))
+        refs.append(reference(ux, uw, rx, rg, upd, rd, False, False, coef))
+    if dtype == torch.float16:
+        assert len({scale.item() for _, scale in images}) == 3
+    image, scale = _summed_image(images, dtype)
+    summed = o.lin_read(rx, rg, image, rd, True, d + 8, scale)
+
+    def err(a, ref, cols):
+        return ((a[..., :cols].double() - ref[..., :cols]).abs().max() / ref[..., :cols].abs().max()).item()
+    for i, (name, cols) in enumerate((("R1", d + 1), ("R2", d))):
+        ref, each = sum(r[i] for r in refs), sum(part[i].double() for part in parts)
+        assert torch.isfinite(summed[i][..., :cols]).all(), name
+        assert err(summed[i], ref, cols) <= 2 * err(each, ref, cols) + 1e-3, (name, err(summed[i], ref, cols),
+                                                                            err(each, ref, cols))
 
 
 def test_chunks_of_other_than_whole_128_rows_are_refused():
