@@ -7,6 +7,7 @@ reduction cheaper per call.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field, fields
 from typing import Iterator
@@ -315,7 +316,7 @@ class GPT(nn.Module):
 
     def stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                top_p: float | None = None, generator: torch.Generator | None = None,
-               use_cache: bool = True) -> Iterator[torch.Tensor]:
+               use_cache: bool = True, use_graph: bool | None = None) -> Iterator[torch.Tensor]:
         """Yield max_new_tokens sampled bytes after idx (B, T), one (B, 1) tensor at a time.
 
         With the cache (the default) the last seq_len bytes of idx are a prefill and each new byte is one
@@ -323,18 +324,28 @@ class GPT(nn.Module):
         whose states were computed with their own earlier context. Without it each byte runs the model over
         the last seq_len bytes afresh (the same bytes up to seq_len; past it, the window is re-encoded).
         Call model.eval() first so dropout is off. ``generator`` keeps sampling off the global RNG, so
-        drawing a sample mid-training does not change the run.
+        drawing a sample mid-training does not change the run. ``use_graph``: after GRAPH_AFTER eager steps,
+        replay one recorded as a CUDA graph (CapturedStep), which a step's launches would otherwise dominate;
+        None = on CUDA with the cache.
         """
         check_sampling(temperature, top_k, top_p)  # here, not at the first byte: the generator below is lazy
         if idx.ndim != 2 or idx.shape[1] == 0:
             raise ValueError(f"idx: expected (batch, at least one byte), got shape {tuple(idx.shape)}")
+        if use_graph is None:
+            use_graph = use_cache and idx.device.type == "cuda"
+        if use_graph and not (use_cache and idx.device.type == "cuda"):
+            raise ValueError(f"use_graph: replays the cache's step on CUDA, got use_cache={use_cache} and idx on "
+                             f"{idx.device}")
 
         def draw(idx):
             inputs = idx[:, -self.cfg.seq_len:]
             cache = self.new_cache(inputs.shape[1] + max_new_tokens) if use_cache else None
-            for _ in range(max_new_tokens):
+            step = None
+            for n in range(max_new_tokens):  # n = 0: the prefill
                 with torch.no_grad():
-                    logits, _ = self(inputs, cache=cache)
+                    if use_graph and n == GRAPH_AFTER + 1:
+                        step = CapturedStep(self, cache, idx.shape[0])
+                    logits = self(inputs, cache=cache)[0] if step is None else step(inputs)
                 next_byte = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
                 idx = torch.cat([idx, next_byte], dim=1)
                 inputs = next_byte if use_cache else idx[:, -self.cfg.seq_len:]
@@ -343,28 +354,35 @@ class GPT(nn.Module):
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, generator: torch.Generator | None = None,
-                 use_cache: bool = True) -> torch.Tensor:
+                 use_cache: bool = True, use_graph: bool | None = None) -> torch.Tensor:
         """idx (B, T) with max_new_tokens sampled bytes appended (stream's, all at once)."""
-        new = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache))
+        new = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache, use_graph))
         return torch.cat([idx, *new], dim=1)
+
+
+# Eager decode steps before stream records one (CapturedStep): they load what a step calls, which capture cannot.
+GRAPH_AFTER = 2
 
 
 class CapturedStep:
     """A decode step recorded once as a CUDA graph and replayed, as gpt-fast does: a step is a few hundred
     small kernels, and launching them one by one costs more than running them at batch 1
     (bench/notes/run-34.md). A cache's step launches the same work at every position (DecodeCache), so
-    one recording serves every later step. Record it after the prefill and an eager step or two, which
-    load what the step calls (capture cannot), and replay it inside the autocast context it was recorded
-    in (autocast's cast weights, cached until that context ends, are part of the recording); each call is
-    then one step, like model(idx, cache=cache), returning logits in a buffer the next call overwrites.
-    CUDA only."""
+    one recording serves every later step. Record it under the autocast it is to run in, after the prefill
+    and an eager step or two, which load what the step calls (capture cannot); each call is then one step,
+    like model(idx, cache=cache), returning logits in a buffer the next call overwrites. CUDA only."""
 
     def __init__(self, model: GPT, cache: DecodeCache, batch: int):
         self.cache = cache
         self.idx = torch.zeros(batch, 1, dtype=torch.long, device=cache.position.device)
         self.graph = torch.cuda.CUDAGraph()
         pos = cache.pos
-        with torch.cuda.graph(self.graph):
+        # Autocast's cache of cast weights lives until its context ends, which the replays may outlast (a
+        # caller consuming stream's bytes in several contexts): recorded without it, the casts are the
+        # graph's own kernels and outputs.
+        autocast = (torch.autocast("cuda", torch.get_autocast_dtype("cuda"), cache_enabled=False)
+                    if torch.is_autocast_enabled("cuda") else contextlib.nullcontext())
+        with autocast, torch.cuda.graph(self.graph):
             self.logits, _ = model(self.idx, cache=cache)
         cache.pos = pos  # recording ran the step's Python (its host bookkeeping too), not its kernels
 

@@ -173,6 +173,13 @@ class Report:
                                  f"separates them (up to {max(gaps):.3f} bpc here) is how it is computed and rounded, "
                                  + (f"the rates the sweep chose ({lrs[0]:g} and {lrs[1]:g}), " if lrs[0] != lrs[1]
                                     else "") + "and the seeds, not a difference in what the model can learn.")
+        learned = {v: [a >= SOLVED for (w, _, _), accs in self.recall.items() if w == v for a in accs]
+                   for v in p.variants}
+        best = max(learned.values(), key=lambda runs: sum(runs) / max(len(runs), 1), default=[])
+        if best and sum(best) < 0.75 * len(best):
+            lines.append(f"- No attention learns the recall task reliably in {p.recall_steps} steps (the best, "
+                         f"{sum(best)} of {len(best)} runs): the probe tells apart an attention that never learns it "
+                         "from one that sometimes does, not how well each would recall once trained.")
         return lines
 
     def lr_of(self, variant: str) -> float | None:

@@ -110,6 +110,16 @@ def test_decoding_with_the_cache_gives_the_bytes_and_logits_of_the_whole_window(
     torch.testing.assert_close(torch.stack(steps, dim=1), whole[:, 4:], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(use_graph=True), "use_graph: replays the cache's step on CUDA, got use_cache=True and idx on cpu"),
+    (dict(use_graph=True, use_cache=False), "use_graph: .* got use_cache=False"),
+])
+def test_a_stream_that_cannot_run_says_why_before_its_first_byte(kwargs, match):
+    model = GPT(tiny()).eval()
+    with pytest.raises(ValueError, match=match):
+        model.stream(torch.zeros(1, 3, dtype=torch.long), 4, **kwargs)
+
+
 def test_past_seq_len_the_cache_keeps_the_last_seq_len_positions_at_their_own_rotations():
     """A step past seq_len attends to the last seq_len positions: with one layer (no earlier context in the
     keys and values) that is the model on the last seq_len bytes, whose RoPE differs only by a shift."""
@@ -326,10 +336,13 @@ def test_a_captured_decode_step_replays_the_eager_one(overrides):
             for t in range(200, 203):
                 model(data[:, t:t + 1], cache=cache)
         step = CapturedStep(model, graphed, batch=2)
-        for t in range(203, 400):
+        for t in range(203, 399):
             want, _ = model(data[:, t:t + 1], cache=eager)
             # The same kernels on the same values; only cuBLAS may pick another algorithm under capture.
             torch.testing.assert_close(step(data[:, t:t + 1]), want, rtol=2e-2, atol=2e-2)
+        want, _ = model(data[:, 399:], cache=eager)
+    with torch.no_grad():  # the autocast it was recorded in has ended: the graph holds its own casts
+        torch.testing.assert_close(step(data[:, 399:]), want, rtol=2e-2, atol=2e-2)
     assert graphed.pos == eager.pos == 400
     with pytest.raises(ValueError, match="past the cache's 400 positions"):
         step(data[:, :1])
@@ -356,3 +369,21 @@ def test_decoding_on_our_kernels_matches_float64(attention):
     err_decode = (torch.stack(steps, dim=1).double() - want).abs().max().item()
     err_whole = (whole.double() - want).abs().max().item()
     assert err_decode <= 2 * err_whole + 2e-3 * max(want.abs().max().item(), 1.0), (err_decode, err_whole)
+
+
+@pytest.mark.gpu
+def test_generation_on_a_gpu_replays_a_graph_whose_bytes_are_the_eager_steps_greedy_ones():
+    """generate on CUDA records a step after the first few and replays it (past seq_len too): each greedy byte
+    it gives is the top byte of the eager steps' logits over the same bytes (to a rounding: a tie may break
+    either way)."""
+    torch.manual_seed(0)
+    model = GPT(tiny(n_head=2, n_embd=128, seq_len=256)).cuda().eval()
+    prompt = torch.randint(0, 256, (2, 100), device="cuda")
+    out = model.generate(prompt, 200, top_k=1)
+    cache = model.new_cache(300)
+    with torch.no_grad():
+        logits = [model(out[:, :100], cache=cache)[0][:, -1]]
+        logits += [model(out[:, t:t + 1], cache=cache)[0][:, -1] for t in range(100, 299)]
+    logits = torch.stack(logits, dim=1)
+    chosen = logits.gather(-1, out[:, 100:, None])[..., 0]
+    assert (logits.amax(-1) - chosen).max().item() < 1e-4

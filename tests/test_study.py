@@ -1,5 +1,6 @@
 """The long-context study on CPU: the plan (compare.py --dry-run), the queue and its resume, failures, the
 report from made-up results, the CPU refusal and bad arguments, and a whole tiny study end to end."""
+import dataclasses
 import json
 import math
 import shlex
@@ -201,6 +202,7 @@ def test_the_report_from_results_says_what_they_support(tmp_path):
     assert (out / "recall.png").read_bytes().startswith(PNG_MAGIC)
     assert "Quality floor not met" not in md and "**Incomplete:**" not in md
     assert "The train bpc rises" not in md and "compute the same function" not in md
+    assert "learns the recall task reliably" not in md  # softmax learned it with every seed
     for name in ("val_bpc_by_context", "bpc_by_position", "extrapolation", "throughput_memory"):
         assert (out / f"{name}.png").read_bytes()[:8] == PNG_MAGIC
         assert f"]({name}.png)" in md
@@ -214,9 +216,13 @@ def test_the_report_says_what_its_runs_cannot_show(tmp_path):
     p = protocol(variants=("cosine-sdpa", "cosine-kernel"), seq_lens=(32, 1024), lrs=(1e-3,), eval_tokens=4096)
     results = [fake_result("grid", v, t, seed, 1e-3, (1.8 if t == 32 else 2.2) + (v == "cosine-kernel") / 10
                            + seed / 100) for v in p.variants for t in p.seq_lens for seed in p.seeds]
+    results += [{**fake_result("recall", v, 64, seed, 1e-3, 0.5), "pairs": 4, "test_accuracy": 0.99 if seed == 1 else 0.01,
+                 "name": f"recall_{v}_T64_P4_s{seed}"} for v in p.variants for seed in p.seeds]
+    p = dataclasses.replace(p, recall_seq_lens=(64,))
     Report(p, results, [], "CPU", "python compare.py", 123456).write(tmp_path)
     md = (tmp_path / "report.md").read_text()
     limits = md.split("## What it does not show")[1].split("\n\n")[1]
+    assert "No attention learns the recall task reliably in 10 steps (the best, 1 of 3 runs)" in limits
     assert "a 1,024-byte run trains on 1 sequence(s) a step against 8 at 32" in limits
     assert "learning rate was chosen at 32 bytes and kept at every context" in limits
     assert ("The train bpc rises with the context too (cosine (SDPA, cuDNN, on l2-normalised q, k) 2.17 against "
