@@ -69,6 +69,7 @@ def lin_rows(x, mask, mu, shift, n_pad, width, chunk):
 
 
 def lin_state(x, w, heads, causal, reverse, second, coef, scale):
+    assert x.is_contiguous() and w.is_contiguous() and w.shape == x.shape, "lin_state: x and w contiguous, alike"
     b, chunks, hx, rows, dp = x.shape
     phi = _features(x, second) * _coefficients(coef, dp - 16, second, x.device)
     # Each chunk's moments, the heads of a kv head summed: (B, chunks, Hkv, F, W).
@@ -101,7 +102,7 @@ def _state(image, dtype, features, width):
 
 def lin_read(x, g, image, heads, second, r1_cols, scale):
     b, chunks, hx, rows, dp = x.shape
-    assert image.shape[2] in (chunks, 1), "lin_read: image does not match x"
+    assert x.is_contiguous() and image.is_contiguous() and image.shape[2] in (chunks, 1), "lin_read: image, x"
     phi = _features(x, second)
     state = _state(image, x.dtype, phi.shape[-1], dp)
     s = (state.transpose(1, 2) / scale.double()).repeat_interleave(heads, dim=2)  # (B, images, H, F, W)
