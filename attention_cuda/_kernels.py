@@ -160,15 +160,17 @@ class _LinearAttention(torch.autograd.Function):
 
     With an exchange (one rank's slice of a sequence; linear_attention) the other ranks' keys add to y
     before lin_out, so that out and 1/l are the whole row's, which is all the backward's pieces need to
-    give their exact share. Forward: the state of this rank's keys, all chunks (a non-causal image), goes
-    out to the ranks whose queries see them, and each incoming image (the earlier ranks': the exclusive
-    prefix, read image by image rather than summed, since images do not add) is read by every chunk
-    (R1). Backward, its reverse: dq also reads the incoming images against g (R2); the moments of
-    psi(q) g^T over all this rank's rows go back to the ranks whose keys these queries saw, and the
-    images that come back from the ranks that saw this rank's keys are read by its keys like the
-    reverse moments (R1: dv, R2: dk). The ranks agree on one mu (the mean over all their keys), so that
-    every image holds the same v - mu; g's scale is each rank's own, so an incoming image's reads are
-    brought to this rank's (both powers of two). No K or V leaves its rank.
+    give their exact share. They add through the state: the moments of the keys a chunk sees are those of
+    this rank's chunks before it plus those of every key of the ranks it sees, so the incoming states (the
+    earlier ranks': the exclusive prefix) are summed into one image and folded into every chunk's image
+    (_folded) before the chunks read their state (R1), and dq reads the same folded state against g (R2).
+    Backward, its reverse: the later ranks' gradient moments, summed, are folded into every chunk's
+    reverse state before the keys read it (R1: dv, R2: dk). So the other ranks cost one elementwise pass
+    over the local images per direction and no read of their own. What goes out is the state over all
+    of this rank's rows: the causal state's last chunk (first, in reverse) plus that chunk's own rows
+    (_whole), one chunk's lin_state rather than all of them again. The ranks agree on one mu (the mean
+    over all their keys), so that every image holds the same v - mu; g's scale is each rank's own, so a
+    returned image is brought to this rank's in the sum (both powers of two). No K or V leaves its rank.
     """
 
     @staticmethod
@@ -193,20 +195,13 @@ class _LinearAttention(torch.autograd.Function):
         vs = ops.lin_rows(v, mask, mu, shift_k, n_pad, d + 16, chunk)
         cr = [coefs[0], coefs[1] * scale, coefs[2] * scale * scale]  # the query side's, temperature included
         second, group = coefs[2] != 0, h // hkv
-        sent, ctx.seen = None, []  # ctx.seen: (image, scale) of each rank whose keys these queries see
+        state, seen = None, None
         if exchange is not None:
-            # This rank's keys, whole, for the ranks whose queries see them: sent while the local work runs.
-            # Without causal the local moments are that same state.
-            sent = _state(kc, vs, 1, False, False, second, cr)
-            incoming = exchange.states(*sent)
-        y, _, state = _moments(chunked, kc, vs, qc, None, 1, group, causal, False, second, [1.0, 1.0, 1.0], cr, d + 1,
-                               None if causal else sent)
-        # The backward's dq reads this state again. Kept where its image is at most twice the rows saved
-        # anyway (d64: 504 bytes per key and head, against 480), else computed again there (d128: 2940
-        # against 864).
-        rows_bytes = sum(x.numel() * x.element_size() for x in (qc, kc, vs))
-        if state is not None and state[0].numel() > 2 * rows_bytes:
-            state = None
+            # This rank's keys' state per chunk (of the chunks before it; of all of them without causal), and
+            # from it the state of all its keys for the ranks whose queries see them: sent while the diagonal
+            # blocks run.
+            state = _state(kc, vs, 1, causal, False, second, cr)
+            incoming = exchange.states(*(_whole(state, kc, vs, 1, False, second, cr) if causal else state))
         vc, keep_c, diag = None, None, (None, None)
         if causal:
             vc = ops.lin_rows(v, mask, None, shift_k, n_pad, d, chunk)
@@ -214,9 +209,18 @@ class _LinearAttention(torch.autograd.Function):
             keep_c = torch.nn.functional.pad(keep, (shift_k, n_pad - j - shift_k)).view(-1, chunk)
             diag = ops.fwd(*_diagonal(qc, kc, vc), keep_c, None, True, "poly", scale, None, coefs, True)[:2]
         if exchange is not None:
-            ctx.seen = incoming.wait()
-        for image, image_scale in ctx.seen:
-            y += ops.lin_read(qc, None, image, group, second, d + 1, image_scale)[0]
+            # The keys of the ranks these queries see, in every chunk's state: its read gives the whole row's y.
+            seen = _summed_image(incoming.wait(), qc.dtype)
+            state = _folded(state, seen, qc.dtype)
+        y, _, state = _moments(chunked, kc, vs, qc, None, 1, group, causal, False, second, [1.0, 1.0, 1.0], cr, d + 1,
+                               state)
+        # The backward's dq reads this state again. Kept where its image is at most twice the rows saved
+        # anyway (d64: 504 bytes per key and head, against 480), else made again there, and then the other
+        # ranks' summed image (one, whatever the group's size) is kept to be folded in again.
+        rows_bytes = sum(x.numel() * x.element_size() for x in (qc, kc, vs))
+        if state is not None and state[0].numel() > 2 * rows_bytes:
+            state = None
+        ctx.seen = seen if state is None else None
         out, inv_l = ops.lin_out(y, *diag, mu_h, shift_q, i, q.dtype)
         ctx.save_for_backward(mask, qc, kc, vc, vs, keep_c, out, inv_l, mu_h, *(state or (None, None)))
         ctx.args = (causal, coefs, scale, cr, shift_q, shift_k, j, chunked)
@@ -241,25 +245,19 @@ class _LinearAttention(torch.autograd.Function):
         cmax = qmax.clamp_min(1.0).reshape(1)
         g, gscale = ops.lin_g(dout, out, inv_l, mu_h, cmax, shift_q)
         state = None if state[0] is None else tuple(state)
-        sent = None
-        if ctx.exchange is not None:
-            # The moments of psi(q) g^T over all this rank's rows, for the ranks whose keys these queries saw:
-            # sent while the local work runs. Without causal the local reverse moments are that same state.
-            sent = _state(qc, g, group, False, True, second, cr)
-            returned = ctx.exchange.gradients(*sent, gscale)
-        # [1] and [:2]: an image made here is freed once read (holding dq's through dk's costs 1.5 GiB at d128).
+        if ctx.seen is not None:
+            state = _folded(_state(kc, vs, 1, causal, False, second, cr), ctx.seen, kc.dtype)
         dq = _moments(chunked, kc, vs, qc, g, 1, group, causal, False, second, [1.0, 1.0, 1.0], cr, 0, state)[1]
-        for image, image_scale in ctx.seen:
-            dq += ops.lin_read(qc, g, image, group, second, 0, image_scale)[1]
-        dv, dk = _moments(chunked, qc, g, kc, vs, group, 1, causal, True, second, cr, [1.0, 1.0, 1.0], d,
-                          None if causal else sent)[:2]
+        # An image made here is freed once read, before dk's is made (both at once cost 1.5 GiB at d128).
+        del state
+        reverse = None
         if ctx.exchange is not None:
-            # (image, scale, g's scale) of each rank whose queries saw these keys
-            for image, image_scale, their_gscale in returned.wait():
-                r1, r2 = ops.lin_read(kc, vs, image, 1, second, d, image_scale)
-                to_ours = their_gscale / gscale  # their g's scale to ours: a ratio of powers of two, exact
-                dv += r1 * to_ours
-                dk += r2 * to_ours
+            # The moments of psi(q) g^T per chunk (of the chunks after it; of all of them without causal), and from
+            # them those over all this rank's rows, for the ranks whose keys these queries saw: sent while the
+            # diagonal blocks run.
+            reverse = _state(qc, g, group, causal, True, second, cr)
+            returned = ctx.exchange.gradients(*(_whole(reverse, qc, g, group, True, second, cr) if causal else reverse),
+                                              gscale)
         diag = (None, None, None)
         if causal:
             rows = (b * n_pad // chunk, h, chunk, d)
@@ -267,6 +265,15 @@ class _LinearAttention(torch.autograd.Function):
             diag = ops.bwd(dout_c, *_diagonal(qc, kc, vc), keep_c, None, out_c, inv_l.view(rows[:3]),
                            inv_l.new_empty(0), inv_l.new_empty(0), True, "poly", scale, None, coefs, True,
                            False)[:3]
+            del dout_c, out_c  # freed before dk's image and reads: the backward's peak stays where it was
+        if ctx.exchange is not None:
+            # (image, scale, g's scale) of each rank whose queries saw these keys. Its g is over its own scale: read
+            # at scale * ours / theirs (powers of two, exact), an image gives its moments over our g's scale. In
+            # every chunk's reverse state, so that the keys' reads give their whole dk and dv.
+            seen_by = _summed_image([(image, image_scale * gscale / their_gscale)
+                                     for image, image_scale, their_gscale in returned.wait()], kc.dtype)
+            reverse = _folded(reverse, seen_by, kc.dtype)
+        dv, dk = _moments(chunked, qc, g, kc, vs, group, 1, causal, True, second, cr, [1.0, 1.0, 1.0], d, reverse)[:2]
         return (ops.lin_grad(dq, gscale, diag[0], shift_q, i, d, out.dtype),
                 ops.lin_grad(dk, gscale, diag[1], shift_k, j, d, out.dtype),
                 ops.lin_grad(dv, gscale, diag[2], shift_k, j, d, out.dtype), *([None] * 9))
@@ -317,14 +324,71 @@ def _state(ux, uw, upd, causal, reverse, second, coef):
     return torch.ops.attn_cuda.lin_state(ux, uw, upd, causal, reverse, second, coef, scale), scale
 
 
+def _image_max(dtype: torch.dtype) -> float | None:
+    """The magnitude below which an image of dtype holds its state, or None where any scale would do: fp16
+    images are held below 2^14 (its max is 65504); bf16 has fp32's range, and its images take scale 1. The
+    one place that says which images are bounded, for _image_scale and _summed_image alike."""
+    return 2.0 ** 14 if dtype == torch.float16 else None
+
+
 def _image_scale(ux, uw, upd, coef):
-    """The power of two the chunked kernels store S at (one fp32 on the device): fp16 images hold S below
-    2^14 by a bound on |S| (rows x max |phi| x max |w|); bf16 has fp32's range and takes 1."""
-    if ux.dtype != torch.float16:
+    """The power of two the chunked kernels store S at (one fp32 on the device): under _image_max by a bound
+    on |S| (rows x max |phi| x max |w|), else 1."""
+    image_max = _image_max(ux.dtype)
+    if image_max is None:
         return torch.ones(1, device=ux.device)
     rows = ux.shape[1] * ux.shape[3] * upd
     bound = (ux.abs().amax().float().clamp_min(1.0) ** 2 * uw.abs().amax().float()
              * (rows * max(abs(coef[0]), abs(coef[1]), 2 * abs(coef[2]))))
-    return torch.exp2(torch.floor(torch.log2(2.0 ** 14 / bound.clamp_min(1e-30)))).reshape(1)
+    return torch.exp2(torch.floor(torch.log2(image_max / bound.clamp_min(1e-30)))).reshape(1)
 
 
+def _summed_image(images, dtype: torch.dtype):
+    """(image, scale): the sum of the states of ``images`` as one image, written over the first one's bytes, such
+    that lin_read of it gives the sum of lin_read of each; None for no images. ``images``: pairs (image, scale) of
+    lin_state's images in dtype, each at a power-of-two scale of its own; the others one image each (B, Hkv, 1,
+    bytes), the first one too or one per chunk (B, Hkv, chunks, bytes), to every one of which the others then add
+    (_folded).
+
+    An image is its state times the coefficients times its scale, element by element in dtype (the rows'),
+    every element written (the tiles' padding as zeros), and the swizzle is the same in every image:
+    so images add elementwise once they are at one scale. Each is brought to the common scale (a power of two
+    over its own: exact), the others are summed in fp32 and added to the first in one pass over it, which rounds
+    to dtype once and writes in place: no copy of the first, which as a causal state is the rank's largest image
+    (264 MB a layer at 65,536 rows, d64, 8 kv heads). Under _image_max an image is below it at its own scale, so
+    the sum of the states is below (its max) x sum_s 1 / scale_s: the common scale is the largest power of two at
+    most 1 / sum_s 1 / scale_s, which keeps the sum below the max as well. Without a bound it is 1, as
+    _image_scale's. One image alone comes back as it was.
+
+    A scale may be infinite: a rank whose gradient is all zeros has g's least scale, and its image (zeros)
+    comes at an infinite scale relative to another rank's g. It adds nothing (a factor of 0), and alone reads as
+    zeros; the clamp keeps the common scale finite when no image's is."""
+    if len(images) < 2:
+        return images[0] if images else None
+    (first, first_scale), others = images[0], images[1:]
+    scales = torch.cat([scale for _, scale in images])
+    if _image_max(dtype) is None:
+        common = torch.ones(1, device=scales.device)
+    else:
+        common = torch.exp2(torch.floor(-torch.log2(scales.reciprocal().sum()))).clamp(max=2.0 ** 126).reshape(1)
+    total = sum(image.view(dtype).float() * (common / scale) for image, scale in others)
+    torch.addcmul(total, first.view(dtype), common / first_scale, out=first.view(dtype))
+    return first, common
+
+
+def _folded(state, image, dtype: torch.dtype):
+    """state, (image, scale) of lin_state's images (one per chunk, or one), with the state of ``image`` (one, or
+    None for none) added to every one of them, in place (_summed_image): the other ranks' rows folded into this
+    rank's chunks' states, whose reads then give the whole rows'. One elementwise pass over state's image instead
+    of a read of ``image`` by every row; the sum is rounded to the images' dtype once more than the reads apart."""
+    return state if image is None else _summed_image([state, image], dtype)
+
+
+def _whole(state, ux, uw, upd, reverse, second, coef):
+    """(image, scale) of the state over all the rows of ux, uw, given their causal state per chunk (image, scale;
+    of the chunks before each, after each with reverse, as _state makes it): the last chunk's (the first's, with
+    reverse) plus that chunk's own rows', from _state over that one chunk. A chunk's work where _state over all
+    the rows would redo every chunk's."""
+    end = slice(0, 1) if reverse else slice(-1, None)
+    own = _state(ux[:, end].contiguous(), uw[:, end].contiguous(), upd, False, False, second, coef)
+    return _summed_image([own, (state[0][:, :, end], state[1])], ux.dtype)

@@ -300,7 +300,8 @@ class _RankStates:
     """A rank's exchange with the other ranks of its context group, in plain order, for fastmax's linear form on
     the kernels (the ``exchange`` of attention_cuda._kernels.linear_attention, which says what travels): the
     values' mean they agree on, and the state images they trade. All_gathers, as _SeenStates' are, for the same
-    reasons (one collective; each image whole, a few MB); every rank then reads the images it needs."""
+    reasons (one collective; each image whole, a few MB); every rank then sums the images it needs and folds the
+    sum into its own chunks' states, which its reads take anyway (_LinearAttention)."""
 
     def __init__(self, group, causal: bool):
         self.group = group
@@ -352,10 +353,13 @@ def fastmax_context_parallel(q, k, v, group=None, *, causal: bool, p: int = 2, a
 
     ``backend="cuda"``: the slice runs in fastmax's linear form on our chunked kernels (Hopper, head dims 64
     and 128, fp16 or bf16: autocast's dtype under autocast, else the inputs', in which the output comes back,
-    as from fastmax_attention), in chunks of ``tuning``'s chunked_rows (plan.TUNING's when None); its queries
-    also read the state images of the earlier ranks' keys (all other ranks' without causal), and its backward
-    sends the moments of their gradients back to those ranks (attention_cuda._kernels._LinearAttention).
-    Linear in the slice's length. Plain order only.
+    as from fastmax_attention), in chunks of ``tuning``'s chunked_rows (plan.TUNING's when None); the sum of the
+    state images of the earlier ranks' keys (all other ranks' without causal) is folded into every chunk's state
+    before its queries read it, and in the backward the sum of the moments of the gradients that those ranks'
+    queries send back is folded into every chunk's reverse state before its keys read it
+    (attention_cuda._kernels._LinearAttention). Linear in the slice's length; the other ranks cost an elementwise
+    pass over the slice's state images per direction and no read of their own, whatever the group's size. Plain
+    order only.
     """
     _check_slices(q, k, v, zigzag)
     if backend not in FASTMAX_BACKENDS:

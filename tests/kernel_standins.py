@@ -6,12 +6,16 @@ group) runs on a CPU; and for cosine's decode kernel (attn_cuda::decode), the gl
 to it (attention_cuda.functional, plan, _kernels.decode).
 
 They check the glue, not the kernels: nothing is rounded to fp16/bf16, no size limit is enforced (chunks of
-any multiple of 8 rows, say), and an image is the state itself, float64 (B, Hkv, images, F, D + 16) with
-F = 1 + D + D^2 unpacked features, rather than the kernels' swizzled bytes. Their outputs take the ops'
-dtypes (fp32 sums, the inputs' dtype for rows), and g's scale is the kernels' power of two, different from
-rank to rank, so a glue that mixes up scales or dtypes shows.
+any multiple of 8 rows, say), and an image is the state itself at its scale, (B, Hkv, images, F, D + 16) with
+F = 1 + D + D^2 unpacked features in the rows' dtype, as the kernels' bytes are (B, Hkv, images, bytes) uint8
+of elements in that dtype (swizzled, packed features). An image holds its elements below
+attention_cuda._kernels._image_max of the rows' dtype, as the glue promises (fp16's 2^14), or the op fails.
+Their outputs take the ops' dtypes (fp32 sums, the inputs' dtype for rows), and g's scale is the kernels'
+power of two, different from rank to rank, so a glue that mixes up scales or dtypes shows.
 """
 import torch
+
+from attention_cuda import _kernels
 
 OPS = ("lin_rows", "lin_state", "lin_read", "lin_out", "lin_g", "lin_grad", "fwd", "bwd", "decode")
 
@@ -66,6 +70,7 @@ def lin_rows(x, mask, mu, shift, n_pad, width, chunk):
 
 
 def lin_state(x, w, heads, causal, reverse, second, coef, scale):
+    assert x.is_contiguous() and w.is_contiguous() and w.shape == x.shape, "lin_state: x and w contiguous, alike"
     b, chunks, hx, rows, dp = x.shape
     phi = _features(x, second) * _coefficients(coef, dp - 16, second, x.device)
     # Each chunk's moments, the heads of a kv head summed: (B, chunks, Hkv, F, W).
@@ -76,14 +81,32 @@ def lin_state(x, w, heads, causal, reverse, second, coef, scale):
         upto = per_chunk.flip(1) if reverse else per_chunk
         states = upto.cumsum(1) - upto  # the chunks before (after, with reverse) each one
         states = states.flip(1) if reverse else states
-    return (states * scale.double()).transpose(1, 2).contiguous()
+    return _image((states * scale.double()).transpose(1, 2), x.dtype)
+
+
+def _image(state, dtype):
+    """A state at its scale (B, Hkv, images, F, W) as an image: its elements in dtype, as bytes."""
+    state = _in_range(state.to(dtype), dtype)
+    return state.flatten(3).contiguous().view(torch.uint8)
+
+
+def _in_range(image, dtype):
+    image_max = _kernels._image_max(dtype)
+    assert image_max is None or image.abs().max() <= image_max, f"an image beyond {image_max}: {image.abs().max()}"
+    return image
+
+
+def _state(image, dtype, features, width):
+    """An image's state at its scale, float64 (B, Hkv, images, F, W)."""
+    return _in_range(image.view(dtype), dtype).unflatten(3, (features, width)).double()
 
 
 def lin_read(x, g, image, heads, second, r1_cols, scale):
     b, chunks, hx, rows, dp = x.shape
-    assert image.shape[2] in (chunks, 1), "lin_read: image does not match x"
-    s = (image.transpose(1, 2) / scale.double()).repeat_interleave(heads, dim=2)  # (B, images, H, F, W)
+    assert x.is_contiguous() and image.is_contiguous() and image.shape[2] in (chunks, 1), "lin_read: image, x"
     phi = _features(x, second)
+    state = _state(image, x.dtype, phi.shape[-1], dp)
+    s = (state.transpose(1, 2) / scale.double()).repeat_interleave(heads, dim=2)  # (B, images, H, F, W)
     r1 = torch.empty(0, dtype=torch.float32, device=x.device)
     if r1_cols > 0:
         r1 = phi @ s

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import kernel_standins
-from attention_cuda import Tuning, _extension, cosine_sim_attention, fastmax_attention
+from attention_cuda import Tuning, _extension, _kernels, cosine_sim_attention, fastmax_attention
 from helpers import rule_violation, spawn_group
 from model import GPT, GPTConfig, context_parallel
 from model.context_parallel import context_zigzag, cosine_ring_attention, fastmax_context_parallel, shard_sequence
@@ -123,34 +123,59 @@ def drifting_sequence(b: int, h: int, kv_heads: int, t: int, d: int, device="cpu
     return q, k, v + torch.linspace(0, 4, t, dtype=torch.float64, device=device)[:, None], d_out
 
 
-def check_standin_kernels(rank: int, world: int, causal: bool, kv_heads: int, group=None) -> None:
+def check_standin_kernels(rank: int, world: int, causal: bool, kv_heads: int, d: int, group=None) -> None:
     """fastmax_context_parallel(backend="cuda") on the kernels' stand-ins (kernel_standins: the ops' contracts in
     float64 PyTorch, outputs in the ops' dtypes) in fp32, this rank's rows against the float64 single-process
-    reference: the glue around the kernels (the incoming images read into y before lin_out, g's images sent
-    back, their scales, the mean the ranks agree on), not the kernels."""
-    t = 40 * world  # 40 rows a rank: chunks of 16, the last one part full
-    q, k, v, d_out = drifting_sequence(B, H, kv_heads, t, D)
+    reference: the glue around the kernels (the incoming images summed and folded into every local chunk's state
+    before its reads, forward and in reverse, the outgoing images from the local causal states, g's scales, the
+    mean the ranks agree on), not the kernels. Keys that grow 2x from rank to rank put each rank's image at a scale
+    of its own (run_standin_kernels' fp16 rule), so the folds add images at different scales. At head dim 8 the
+    forward keeps its folded state for dq; at 16 under causal (a state per chunk, which the stand-ins' unpacked
+    features make larger than twice the rows) the backward makes it again and folds the kept incoming image in.
+
+    And what the other ranks cost: lin_state runs over this rank's chunks once a direction (the forward's state
+    once more where the backward makes it again) plus, under causal, one chunk a direction for the outgoing image,
+    never over all of them again."""
+    t = 40 * world  # 40 rows a rank: 3 chunks of 16, the last one part full
+    q, k, v, d_out = drifting_sequence(B, H, kv_heads, t, d)
+    k = k * torch.exp2(torch.linspace(0, world - 1, t, dtype=torch.float64))[:, None]
     expected = output_and_grads(functools.partial(REFERENCES["fastmax"], causal=causal), (q, k, v), d_out)
 
     _, positions = shard_sequence(torch.zeros(1, t), rank, world)
     attention = functools.partial(fastmax_context_parallel, **FASTMAX, group=group, causal=causal, backend="cuda",
                                   tuning=Tuning(chunked_rows=16))
+    STATE_CHUNKS.clear()
     got = output_and_grads(attention, [x[:, :, positions].float() for x in (q, k, v)], d_out[:, :, positions].float())
-    case = f"rank {rank}/{world} causal={causal} kv_heads={kv_heads}"
+    case = f"rank {rank}/{world} causal={causal} kv_heads={kv_heads} d={d}"
     for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
         assert g.dtype == torch.float32, f"{case}: {name}: {g.dtype}"
         torch.testing.assert_close(g.double(), e[:, :, positions], rtol=1e-5, atol=1e-5,
                                    msg=lambda m: f"{case}: {name}: {m}")
+    chunks, made_again = 3, causal and d == 16
+    expected_chunks = (3 if made_again else 2) * chunks + (2 if causal else 0)
+    assert sum(STATE_CHUNKS) == expected_chunks, f"{case}: lin_state over {STATE_CHUNKS} chunks"
+
+
+STATE_CHUNKS = []  # the chunks each lin_state call of a check_standin_kernels call ran over
+
+
+def counted_lin_state(x, *args):
+    STATE_CHUNKS.append(x.shape[1])
+    return kernel_standins.lin_state(x, *args)
 
 
 def run_standin_kernels(rank: int, world: int) -> None:
     kernel_standins.install()
+    torch.ops.attn_cuda.lin_state = counted_lin_state
     context_parallel._kernels_reason = lambda *args: None  # the stand-ins run on a CPU, in fp32
-    for causal, kv_heads in [(True, H), (False, H), (True, 2)]:
-        check_standin_kernels(rank, world, causal, kv_heads)
+    # fp16's images on the fp32 rows: each at a scale from its own rank's keys or g, which the ranks' sums of
+    # images must bring to one (and keep under fp16's bound, which the stand-ins check).
+    _kernels._image_max = lambda dtype: 2.0 ** 14
+    for causal, kv_heads, d in [(True, H, 8), (False, H, 8), (True, 2, 8), (True, 2, 16), (False, 2, 16)]:
+        check_standin_kernels(rank, world, causal, kv_heads, d)
     if world == 4:  # two sequences side by side on groups of two, as beside data parallelism
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        check_standin_kernels(rank % 2, 2, True, 2, group=pairs[rank // 2])
+        check_standin_kernels(rank % 2, 2, True, 2, D, group=pairs[rank // 2])
 
 
 @pytest.mark.parametrize("world", [2, 4])

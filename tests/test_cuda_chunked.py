@@ -7,7 +7,7 @@ sweep's plus 1e-3; end to end, through fastmax_attention, both meet the FA rule 
 import pytest
 import torch
 
-from attention_cuda._kernels import _image_scale
+from attention_cuda._kernels import _folded, _image_scale, _state, _summed_image, _whole
 from test_cuda_kernels import LINEAR_DTYPES
 
 pytestmark = pytest.mark.gpu
@@ -83,6 +83,87 @@ def test_chunked_matches_float64(dtype, d, order, p, heads):
     for name, new, sweep, ref, cols in (("R1", n1, s1, f1, d + 1), ("R2", n2, s2, f2, d)):
         assert torch.isfinite(new[..., :cols]).all(), name
         assert err(new, ref, cols) <= 2 * err(sweep, ref, cols) + 1e-3, (name, err(new, ref, cols), err(sweep, ref, cols))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", LINEAR_DTYPES, ids=lambda t: str(t).split(".")[-1])
+def test_images_at_scales_of_their_own_summed_read_as_the_sum_of_their_states(dtype, d):
+    """_summed_image on lin_state's images (context parallelism sums the ranks' images this way): an image is its
+    state element by element in the rows' dtype, so images of three sets of rows, each at the scale
+    linear_attention gives it (fp16: different ones), brought to one scale and added, read as the state of all
+    their rows. Same error rule as above, against the sum of the three images' reads."""
+    o = ops()
+    if d not in o.chunked_head_dims(dtype):
+        pytest.skip(f"no chunked kernel for {dtype} d{d}")
+    gen = torch.Generator(device="cuda").manual_seed(d + 3)
+    B, C, L, hkv, upd, rd = 2, 2, 128, 2, 2, 1
+    coef = [0.7, 0.5, 0.125]
+    rx = rows((B, C, hkv * rd, L), d, dtype, gen, 0.3)
+    rg = rows((B, C, hkv * rd, L), d, dtype, gen, 0.01)
+    images, parts, refs = [], [], []
+    for spread in (0.3, 1.0, 3.0):  # states of different sizes, so fp16 images at scales of their own
+        ux, uw = rows((B, C, hkv * upd, L), d, dtype, gen, spread), rows((B, C, hkv * upd, L), d, dtype, gen)
+        scale = _image_scale(ux, uw, upd, coef)
+        images.append((o.lin_state(ux, uw, upd, False, False, True, coef, scale), scale))
+        parts.append(o.lin_read(rx, rg, images[-1][0], rd, True, d + 8, scale))
+        refs.append(reference(ux, uw, rx, rg, upd, rd, False, False, coef))
+    if dtype == torch.float16:
+        assert len({scale.item() for _, scale in images}) == 3
+    image, scale = _summed_image(images, dtype)
+    summed = o.lin_read(rx, rg, image, rd, True, d + 8, scale)
+
+    def err(a, ref, cols):
+        return ((a[..., :cols].double() - ref[..., :cols]).abs().max() / ref[..., :cols].abs().max()).item()
+    for i, (name, cols) in enumerate((("R1", d + 1), ("R2", d))):
+        ref, each = sum(r[i] for r in refs), sum(part[i].double() for part in parts)
+        assert torch.isfinite(summed[i][..., :cols]).all(), name
+        assert err(summed[i], ref, cols) <= 2 * err(each, ref, cols) + 1e-3, (name, err(summed[i], ref, cols),
+                                                                            err(each, ref, cols))
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["causal", "reverse"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", LINEAR_DTYPES, ids=lambda t: str(t).split(".")[-1])
+def test_a_state_folded_into_a_causal_one_and_its_whole_read_as_their_rows(dtype, d, reverse):
+    """Context parallelism's two uses of lin_state's per-chunk images (_LinearAttention with an exchange): another
+    set of rows' state (one image, at a scale of its own) folded into every chunk's image of a causal state (in
+    place, _folded) reads, chunk by chunk, as the causal state plus the other rows'; and _whole, the last chunk's
+    image (the first's, in reverse) plus a lin_state over that chunk alone, reads as the state over all the rows.
+    Same error rule as above: against the separate reads, and against a lin_state over all the rows."""
+    o = ops()
+    if d not in o.chunked_head_dims(dtype):
+        pytest.skip(f"no chunked kernel for {dtype} d{d}")
+    gen = torch.Generator(device="cuda").manual_seed(d + 5 + reverse)
+    B, C, L, hkv, upd, rd = 2, 3, 128, 2, 2, 1
+    coef = [0.7, 0.5, 0.125]
+    rx = rows((B, C, hkv * rd, L), d, dtype, gen, 0.3)
+    rg = rows((B, C, hkv * rd, L), d, dtype, gen, 0.01)
+    ux, uw = rows((B, C, hkv * upd, L), d, dtype, gen, 0.3), rows((B, C, hkv * upd, L), d, dtype, gen)
+    ox, ow = rows((B, C, hkv * upd, L), d, dtype, gen, 3.0), rows((B, C, hkv * upd, L), d, dtype, gen)
+    local = _state(ux, uw, upd, True, reverse, True, coef)
+    other = _state(ox, ow, upd, False, False, True, coef)
+    if dtype == torch.float16:
+        assert local[1].item() != other[1].item()
+    whole = _whole(local, ux, uw, upd, reverse, True, coef)
+    all_rows = _state(ux, uw, upd, False, False, True, coef)
+    each = [o.lin_read(rx, rg, image, rd, True, d + 8, scale) for image, scale in (local, other)]
+    folded = _folded(local, other, dtype)
+    assert folded[0] is local[0], "in place"
+
+    def err(a, ref, cols):
+        return ((a[..., :cols].double() - ref[..., :cols]).abs().max() / ref[..., :cols].abs().max()).item()
+    refs = [reference(ux, uw, rx, rg, upd, rd, True, reverse, coef),
+            reference(ox, ow, rx, rg, upd, rd, False, False, coef)]
+    whole_ref = reference(ux, uw, rx, rg, upd, rd, False, False, coef)
+    checks = [("folded", folded, [sum(r[i] for r in refs) for i in range(2)],
+               [sum(part[i].double() for part in each) for i in range(2)]),
+              ("whole", whole, whole_ref, o.lin_read(rx, rg, all_rows[0], rd, True, d + 8, all_rows[1]))]
+    for what, (image, scale), ref, baseline in checks:
+        got = o.lin_read(rx, rg, image, rd, True, d + 8, scale)
+        for i, (name, cols) in enumerate((("R1", d + 1), ("R2", d))):
+            assert torch.isfinite(got[i][..., :cols]).all(), (what, name)
+            assert err(got[i], ref[i], cols) <= 2 * err(baseline[i], ref[i], cols) + 1e-3, (
+                what, name, err(got[i], ref[i], cols), err(baseline[i], ref[i], cols))
 
 
 def test_chunks_of_other_than_whole_128_rows_are_refused():

@@ -56,3 +56,52 @@ def test_an_exchange_needs_the_chunked_kernels():
     with pytest.raises(ValueError, match="exchange: .* expected chunked=True"):
         _kernels.linear_attention(q, q, q, None, True, poly_policy(**DEFAULTS), torch.bfloat16, 128, False,
                                   exchange=object())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("chunks", [1, 3], ids=["summed", "folded"])
+def test_images_at_scales_of_their_own_sum_to_one_image_of_the_sum_of_their_states(dtype, chunks):
+    """_summed_image on images as the kernels hold them (bytes of dtype's elements, each state at a power-of-two
+    scale of its own): the sum, written over the first image's bytes, reads as the sum of the states, rounded
+    once, and under fp16's bound even where every image is at its bound with one sign. Folded (chunks=3: the first
+    holds a causal state's image per chunk, the others one image each), every chunk's image reads as its own state
+    plus the others'. One image comes back as it was; a zero image at an infinite scale (a rank whose gradient is
+    zero) adds nothing, and alone reads as zeros."""
+    gen = torch.Generator().manual_seed(0)
+    bound = _kernels._image_max(dtype)
+    scales = [2.0 ** -3, 1.0, 2.0 ** 5, 1.0]
+    shapes = [(1, 2, chunks, 48)] + [(1, 2, 1, 48)] * 3
+    elements = [(torch.rand(*shape, generator=gen, dtype=torch.float64) * 2 - 1) * 2.0 ** 14 for shape in shapes]
+    for e in elements:
+        e[..., 0] = 2.0 ** 14  # the largest an image holds (at its bound, for fp16), all of one sign
+
+    def images():
+        return [(e.to(dtype).view(torch.uint8), torch.tensor([s])) for e, s in zip(elements, scales)]
+
+    def state(image, scale):
+        return image.view(dtype).double() / scale.double()
+
+    pairs = images()
+    expected = sum(state(*pair) for pair in pairs)  # (1, 2, chunks, 48): the others add to every chunk's
+    first = pairs[0][0]
+    summed, common = _kernels._summed_image(pairs, dtype)
+    assert summed is first, "written over the first image's bytes"
+    assert torch.isfinite(summed.view(dtype)).all()
+    if bound is not None:
+        assert summed.view(dtype).abs().max() <= bound
+    eps = torch.finfo(dtype).eps  # one rounding of the sum (half an ulp), and the images' own are in expected
+    torch.testing.assert_close(state(summed, common), expected, rtol=0, atol=eps * expected.abs().max().item())
+
+    pairs = images()
+    alone, alone_scale = _kernels._summed_image(pairs[2:3], dtype)
+    assert alone is pairs[2][0] and alone_scale is pairs[2][1]
+
+    zero = (torch.zeros(1, 2, 1, 48, dtype=dtype).view(torch.uint8), torch.tensor([float("inf")]))
+    with_zero = _kernels._folded(pairs[0], zero, dtype)
+    torch.testing.assert_close(state(*with_zero), state(*images()[0]), rtol=0, atol=0)
+    zeros = torch.zeros(1, 2, 1, 48, dtype=torch.float64)
+    assert torch.equal(state(*_kernels._summed_image([zero], dtype)), zeros)
+    both = _kernels._summed_image([zero, (zero[0].clone(), zero[1])], dtype)
+    assert torch.isfinite(both[1]).all() and torch.equal(state(*both), zeros)
+    assert _kernels._summed_image([], dtype) is None
+    assert _kernels._folded(pairs[1], None, dtype) is pairs[1]
