@@ -217,6 +217,12 @@ class DecodeCache:
         self.rope, self.position = tuple(x.to(device) for x in self.rope), self.position.to(device)
         return self
 
+    def nbytes(self) -> int:
+        """Bytes of the layers' decoding state (keys and values, or moments, and the convolution's inputs):
+        seq_len-sized for softmax and cosine, one size at every context for fastmax."""
+        return sum(x.nbytes for layer in self.layers for part in (layer.attn, layer.conv)
+                   for x in vars(part).values() if isinstance(x, torch.Tensor))
+
     def check_room(self, t: int) -> None:
         """Refuse t more bytes where the cache has no room for them (ValueError)."""
         if self.pos > 0 and t != 1:

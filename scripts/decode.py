@@ -49,7 +49,8 @@ def measure(model: GPT, context: int, batch: int, new_bytes: int, no_cache: bool
             run(data[:, t:t + 1])
 
         times = time_ms(step, 1, 0, new_bytes, device.type)
-        row = {"context": context, "batch": batch, "ms_per_byte": statistics.median(times)}
+        row = {"context": context, "batch": batch, "ms_per_byte": statistics.median(times),
+               "cache_mib": cache.nbytes() / 2**20}
         if profile:
             row["profile"] = profile_ops(step, new_bytes, device.type)
         if graph:

@@ -110,6 +110,26 @@ def test_decoding_with_the_cache_gives_the_bytes_and_logits_of_the_whole_window(
     torch.testing.assert_close(torch.stack(steps, dim=1), whole[:, 4:], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("attention", ["softmax", "fastmax"])
+def test_the_decoding_state_of_fastmax_keeps_one_size_and_a_kv_cache_holds_seq_len_positions(attention):
+    """The issue's memory bar, counted: fastmax's moments take the same bytes after a prefill of 3 bytes and
+    after 30 more steps; a KV cache holds its seq_len slots of keys and values from its first write."""
+    torch.manual_seed(0)
+    cfg = tiny(attention=attention, seq_len=64)
+    model = GPT(cfg).eval()
+    data = torch.randint(0, 256, (2, 40))
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(data[:, :3], cache=cache)
+        first = cache.nbytes()
+        for t in range(3, 33):
+            model(data[:, t:t + 1], cache=cache)
+    assert cache.nbytes() == first
+    head_dim = cfg.n_embd // cfg.n_head
+    kv = cfg.n_layer * 2 * 2 * cfg.n_kv_head * cfg.seq_len * head_dim * 4  # layers, k and v, batch, fp32
+    assert (first >= kv) == (attention == "softmax")
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(use_graph=True), "use_graph: replays the cache's step on CUDA, got use_cache=True and idx on cpu"),
     (dict(use_graph=True, use_cache=False), "use_graph: .* got use_cache=False"),
