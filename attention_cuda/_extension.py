@@ -1,9 +1,9 @@
 """Loading the compiled ops: the extension that setup.py built (``attention_cuda._C``), else a JIT build
 of ``csrc/`` on first use (``torch.utils.cpp_extension.load``, cached under a name made from a hash of the
 sources, so an edit rebuilds and an unchanged tree reuses the build). The ops (``attn_cuda::fwd``, ``bwd``,
-``decode``, the linear form's) are defined in csrc/binding/binding.cpp; here they also get fake
-implementations, so that torch.compile traces through them without running them. What is compiled is
-build.py's list.
+``decode``, the linear form's, RoPE's ``rope_split`` and ``rope_merge``) are defined in
+csrc/binding/binding.cpp; here they also get fake implementations, so that torch.compile traces through them
+without running them. What is compiled is build.py's list.
 """
 from __future__ import annotations
 
@@ -125,6 +125,17 @@ def _register_fakes() -> None:
     @torch.library.register_fake("attn_cuda::decode")
     def _decode(q, k, v, mask, scale, qk_norm, splits):
         return q.new_empty(q.shape)
+
+    @torch.library.register_fake("attn_cuda::rope_split")
+    def _rope_split(qkv, cos, sin, heads, kv_heads):
+        b, t, width = qkv.shape
+        d = width // (heads + 2 * kv_heads)
+        return qkv.new_empty((b, heads, t, d)), qkv.new_empty((b, kv_heads, t, d))
+
+    @torch.library.register_fake("attn_cuda::rope_merge")
+    def _rope_merge(dq, dk, dv, cos, sin):
+        b, h, t, d = dq.shape
+        return dq.new_empty((b, t, (h + 2 * dk.shape[1]) * d))
 
     @torch.library.register_fake("attn_cuda::linear")
     def _linear(ux, uw, rx, rg, upd_heads, rd_heads, causal, reverse, second, cu, cr, r1_tiles, want_r2):

@@ -1,6 +1,6 @@
 """The CUDA kernels as differentiable torch ops: one autograd.Function per form (the tiled quadratic
-kernels, and fastmax's linear form over them), and the forward-only paths (split keys, cosine's decode
-kernel), taking what plan.resolve decided.
+kernels, and fastmax's linear form over them), RoPE's passes around them, and the forward-only paths (split
+keys, cosine's decode kernel), taking what plan.resolve decided.
 
 Precision: fp16/bf16 inputs run on tensor cores with fp32 accumulation and fp32 softmax statistics,
 as FlashAttention does. fp32 inputs run as TF32 (operands rounded to a 10-bit mantissa, fp32
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import scale_rows
+from .reference import scale_rows, split_qkv
 from .score import ScorePolicy
 
 
@@ -55,6 +55,26 @@ class _Attention(torch.autograd.Function):
         dq, dk, dv, dbias = torch.ops.attn_cuda.bwd(dout, q, k, v, mask, bias, out, stat, rq, rk, *ctx.args,
                                                     bias_grad)
         return dq, dk, dv, None, dbias if bias_grad else None, *([None] * 6)
+
+
+def rotary_qkv(qkv, cos, sin, heads: int, kv_heads: int):
+    """q and k rotated by RoPE in one pass over the fused projection's rows (attn_cuda::rope_split), the
+    kernels' layout, and v as a strided view of them; backward, one pass (attn_cuda::rope_merge) writes the
+    projection's gradient. cos, sin (T, D/2) in fp32."""
+    return _RotaryQKV.apply(qkv, cos.float().contiguous(), sin.float().contiguous(), heads, kv_heads)
+
+
+class _RotaryQKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, heads, kv_heads):
+        q, k = torch.ops.attn_cuda.rope_split(qkv, cos, sin, heads, kv_heads)
+        ctx.save_for_backward(cos, sin)
+        return q, k, split_qkv(qkv, heads, kv_heads)[2]
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):  # an unused output's gradient comes as zeros (materialize_grads)
+        cos, sin = ctx.saved_tensors
+        return torch.ops.attn_cuda.rope_merge(dq, dk, dv, cos, sin), None, None, None, None
 
 
 def split_keys(q, k, v, mask, policy: ScorePolicy, dtype: torch.dtype, splits: int) -> torch.Tensor:

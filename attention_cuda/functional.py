@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _extension, _kernels, reference
-from .plan import Plan, Tuning, resolve
+from .plan import BACKENDS, Plan, Tuning, resolve, rope_kernels_reason
 from .score import ScorePolicy, cosine_policy, exp_policy, poly_policy
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -189,6 +189,40 @@ def fastmax_attention(q, k, v, *, causal=False, mask=None, p=2, a0=1.0, a1=1.0, 
     policy = poly_policy(p, a0, a1, a2, temperature, normalize, lim)
     plan = _plan(call, causal, policy, backend, form, dropout, tuning)
     return _run(plan, call, causal, policy, dropout)
+
+
+def rotary_qkv(qkv, cos, sin, *, heads: int, kv_heads: int, backend="auto"):
+    """RoPE on a fused projection: qkv (B, T, (heads + 2 kv_heads) D) -> q (B, heads, T, D) and k
+    (B, kv_heads, T, D), each pair (x_i, x_{i + D/2}) rotated by the angle whose cos and sin are row t of cos,
+    sin (T, D/2), in fp32 and rounded to qkv's dtype, and v (B, kv_heads, T, D), a strided view of qkv.
+
+    On the kernels (backend "cuda", or "auto" where they run: CUDA, fp16/bf16/fp32, D a multiple of 16) it is
+    one pass each way, where the same math in PyTorch ops is about ten; q and k come contiguous, as the
+    attention kernels read them. backend="cuda" where they cannot run raises NotImplementedError saying why.
+    """
+    if not isinstance(qkv, torch.Tensor) or not qkv.is_floating_point() or qkv.dim() != 3:
+        raise ValueError("qkv: expected a floating-point tensor (B, T, (heads + 2 kv_heads) D), got "
+                         + (f"shape {tuple(qkv.shape)}" if isinstance(qkv, torch.Tensor) else type(qkv).__name__))
+    if not (isinstance(heads, int) and isinstance(kv_heads, int) and heads > 0 and kv_heads > 0):
+        raise ValueError(f"heads, kv_heads: expected positive ints, got {heads!r}, {kv_heads!r}")
+    b, t, width = qkv.shape
+    d = width // (heads + 2 * kv_heads)
+    if d * (heads + 2 * kv_heads) != width or d % 2:
+        raise ValueError(f"qkv: expected a last dim of (heads + 2 kv_heads) D = {heads + 2 * kv_heads} x D with D "
+                         f"even, got {width}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if not isinstance(table, torch.Tensor) or tuple(table.shape) != (t, d // 2) or table.device != qkv.device:
+            raise ValueError(f"{name}: expected ({t}, {d // 2}) (T, D/2) on {qkv.device}, got "
+                             + (f"{tuple(table.shape)} on {table.device}" if isinstance(table, torch.Tensor)
+                                else type(table).__name__))
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    reason = "backend='torch' asked for" if backend == "torch" else rope_kernels_reason(qkv.device, qkv.dtype, d)
+    if reason is not None and backend == "cuda":
+        raise NotImplementedError(f'backend="cuda": {reason}')
+    if reason is None:
+        return _kernels.rotary_qkv(qkv, cos, sin, heads, kv_heads)
+    return reference.rotary_qkv(qkv, cos, sin, heads, kv_heads)
 
 
 def fastmax_moments(k, v, *, p=2, a0=1.0, a1=1.0, a2=0.5, temperature=1.0, normalize=False, lim=1.0):

@@ -113,6 +113,21 @@ def kernels_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> s
     return None
 
 
+def rope_kernels_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """None when RoPE's kernels (attn_cuda::rope_split, rope_merge) take rows of this device, dtype and head
+    dim, else why not."""
+    reason = _extension.unavailable_reason()
+    if reason is not None:
+        return reason
+    if device.type != "cuda":
+        return f"qkv: on {device}, the kernels run on CUDA devices"
+    if dtype not in _extension.DTYPES:
+        return f"qkv: dtype {dtype} is not supported by the kernels (float16, bfloat16, float32)"
+    if head_dim % 16:
+        return f"qkv: head dim {head_dim} is not a multiple of 16, as RoPE's kernels take it"
+    return None
+
+
 def linear_kernels_reason(dtype: torch.dtype) -> str | None:
     dtype = run_dtype(dtype, True)
     if dtype not in LINEAR_KERNEL_DTYPES:

@@ -20,6 +20,31 @@ from torch.autograd.function import once_differentiable
 from .score import NORM_EPS, ScorePolicy
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x_i, x_{i + D/2}) of x (B, H, T, D) by position-dependent angles (T, D/2).
+
+    Computed in fp32 (float64 rows in float64) so that under bf16 autocast the relative-position property
+    holds to fp32 precision, then cast back (as RoPE's kernels, attn_cuda::rope_split, do).
+    """
+    x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+def split_qkv(qkv: torch.Tensor, heads: int, kv_heads: int):
+    """The fused projection's rows (B, T, (heads + 2 kv_heads) D) as q (B, heads, T, D), k and v
+    (B, kv_heads, T, D): strided views, no copy."""
+    b, t, width = qkv.shape
+    d = width // (heads + 2 * kv_heads)
+    return tuple(x.view(b, t, -1, d).transpose(1, 2)
+                 for x in qkv.split((heads * d, kv_heads * d, kv_heads * d), dim=-1))
+
+
+def rotary_qkv(qkv, cos, sin, heads: int, kv_heads: int):
+    """q, k rotated by RoPE and v, from the fused projection's rows (functional.rotary_qkv's contract)."""
+    q, k, v = split_qkv(qkv, heads, kv_heads)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
 def expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
     """(B, Hkv, J, D) -> (B, H, J, D): query head h reads kv head h // (H / Hkv)."""
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)

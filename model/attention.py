@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention_cuda import cosine_sim_attention, fastmax_attention, fastmax_moments, fastmax_read, plan
+from attention_cuda import cosine_sim_attention, fastmax_attention, fastmax_moments, fastmax_read, plan, rotary_qkv
 from attention_cuda.plan import fastmax_features
 
 
@@ -25,16 +25,6 @@ def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor,
     inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
     return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x_i, x_{i + D/2}) of x (B, H, T, D) by position-dependent angles (T, D/2).
-
-    Computed in fp32 so that under bf16 autocast the relative-position property holds to fp32
-    precision, then cast back.
-    """
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
 FUNCTIONS = {"cosine": cosine_sim_attention, "fastmax": fastmax_attention}
@@ -71,9 +61,14 @@ def attention_fn(cfg, causal: bool = True, unit_rows: bool = False):
     if cfg.cosine_sdpa:
         return functools.partial(sdpa_attention, backend=cfg.sdpa_backend, causal=causal, scale=cfg.cosine_scale,
                                  normalize=not unit_rows)
-    backend = "cuda" if cfg.use_cuda_kernel else "torch"
     options = {**score_options(cfg), **({"l2norm_qk": False} if unit_rows else {})}
-    return functools.partial(FUNCTIONS[cfg.attention], causal=causal, backend=backend, **options)
+    return functools.partial(FUNCTIONS[cfg.attention], causal=causal, backend=kernel_backend(cfg), **options)
+
+
+def kernel_backend(cfg) -> str:
+    """attention_cuda's backend for the model's attention and its RoPE: our kernels with use_cuda_kernel, else
+    the PyTorch reference (softmax and cosine on SDPA rotate with PyTorch ops, as such models do)."""
+    return "cuda" if cfg.use_cuda_kernel else "torch"
 
 
 def attention_plan(cfg, device, dtype: torch.dtype):
@@ -82,7 +77,7 @@ def attention_plan(cfg, device, dtype: torch.dtype):
     if cfg.attention == "softmax" or cfg.cosine_sdpa:
         return None
     return plan(cfg.attention, device=device, dtype=dtype, head_dim=cfg.head_dim, keys=cfg.seq_len,
-                backend="cuda" if cfg.use_cuda_kernel else "torch",
+                backend=kernel_backend(cfg),
                 form="auto" if cfg.attention == "fastmax" else "quadratic", **score_options(cfg))
 
 
@@ -187,7 +182,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, q_dim + 2 * kv_dim, bias=False)
         self.proj = nn.Linear(q_dim, cfg.n_embd, bias=False)
         self.resid_dropout = nn.Dropout(cfg.dropout)
-        self.split = (q_dim, kv_dim, kv_dim)
+        self.backend = kernel_backend(cfg)
         # No dropout on the attention weights: the cosine API has none, and the three families
         # should be regularised alike for a fair comparison.
         self.attend = attention_fn(cfg)
@@ -199,11 +194,8 @@ class CausalSelfAttention(nn.Module):
         (model.context_parallel's ContextParallel), x is a rank's slice, cos and sin its positions' rows, and
         attention runs over the slices of the whole sequence."""
         b, t, _ = x.shape
-        q, k, v = self.qkv(x).split(self.split, dim=-1)
-        q = q.view(b, t, self.n_head, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = rotary_qkv(self.qkv(x), cos, sin, heads=self.n_head, kv_heads=self.n_kv_head,
+                             backend=self.backend)
         if cache is not None:
             cache.add(k, v, position)
         # A prefill attends causally among its own positions; a decode step's one query reads the cache.

@@ -53,3 +53,11 @@ def rule_violation(kernel, torch_dt, ref, dtype):
     if err_kernel > 2 * err_torch + atol:
         return f"kernel error {err_kernel:.3g} > 2 x PyTorch {dtype} error {err_torch:.3g} + atol {atol:.2g}"
     return None
+
+
+def poison_allocator():
+    """Fill the CUDA caching allocator's free blocks, small and large pools, with NaN: a kernel's output that
+    it leaves unwritten then reads as NaN, not as an earlier result."""
+    blocks = [torch.full((2**17,), float("nan"), device="cuda") for _ in range(16)]
+    blocks.append(torch.full((2**26,), float("nan"), device="cuda"))
+    del blocks

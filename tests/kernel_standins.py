@@ -2,8 +2,9 @@
 lin_read, lin_out, lin_g, lin_grad, and fwd and bwd on its diagonal blocks): float64 PyTorch on any device that
 follows each op's contract as csrc/binding/binding.cpp and csrc/linear/params.h state it, so that the Python
 glue around them (attention_cuda._kernels._LinearAttention, and its exchange between the ranks of a context
-group) runs on a CPU; and for cosine's decode kernel (attn_cuda::decode), the glue that routes a decode step
-to it (attention_cuda.functional, plan, _kernels.decode).
+group) runs on a CPU; for cosine's decode kernel (attn_cuda::decode), the glue that routes a decode step
+to it (attention_cuda.functional, plan, _kernels.decode); and RoPE's passes (attn_cuda::rope_split,
+rope_merge) under _kernels.rotary_qkv.
 
 They check the glue, not the kernels: nothing is rounded to fp16/bf16, no size limit is enforced (chunks of
 any multiple of 8 rows, say), and an image is the state itself at its scale, (B, Hkv, images, F, D + 16) with
@@ -17,7 +18,8 @@ import torch
 
 from attention_cuda import _kernels
 
-OPS = ("lin_rows", "lin_state", "lin_read", "lin_out", "lin_g", "lin_grad", "fwd", "bwd", "decode")
+OPS = ("lin_rows", "lin_state", "lin_read", "lin_out", "lin_g", "lin_grad", "fwd", "bwd", "decode", "rope_split",
+       "rope_merge")
 
 
 def install(setattr_=setattr) -> None:
@@ -213,3 +215,29 @@ def decode(q, k, v, mask, scale, qk_norm, splits):
     w = torch.where(keep[:, None, None, :], torch.exp(scale * rows @ k.transpose(-1, -2) - abs(scale) * n * n), 0.0)
     den = w.sum(-1, keepdim=True)
     return torch.where(den > 0, (w @ v) / den, 0.0).to(q.dtype)
+
+
+def _rotate(x, cos, sin, sign):
+    """Pairs (x_i, x_{i + D/2}) of x (B, H, T, D) rotated by the angles of cos, sin (T, D/2); sign -1 rotates back."""
+    x1, x2 = x.double().chunk(2, dim=-1)
+    c, s = cos.double(), sign * sin.double()
+    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+
+
+def rope_split(qkv, cos, sin, heads, kv_heads):
+    """q (B, heads, T, D), k (B, kv_heads, T, D) rotated, contiguous, in qkv's dtype; cos, sin fp32 (T, D/2)."""
+    assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+    b, t, width = qkv.shape
+    d = width // (heads + 2 * kv_heads)
+    assert d % 16 == 0 and tuple(cos.shape) == (t, d // 2), "rope_split: D a multiple of 16, cos (T, D/2)"
+    rows = qkv.view(b, t, -1, d).transpose(1, 2)
+    return tuple(_rotate(x, cos, sin, 1).to(qkv.dtype).contiguous()
+                 for x in (rows[:, :heads], rows[:, heads:heads + kv_heads]))
+
+
+def rope_merge(dq, dk, dv, cos, sin):
+    """(B, T, (heads + 2 kv_heads) D): dq and dk rotated back, dv as it is, in the projection's layout."""
+    assert dq.dtype == dk.dtype == dv.dtype and cos.dtype == torch.float32
+    b, h, t, d = dq.shape
+    heads = torch.cat([_rotate(dq, cos, sin, -1), _rotate(dk, cos, sin, -1), dv.double()], dim=1)
+    return heads.transpose(1, 2).reshape(b, t, -1).to(dq.dtype)

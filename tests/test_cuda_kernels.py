@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from attention_cuda import _extension, build, cosine_sim_attention, exp_attention, fastmax_attention
-from helpers import rule_violation
+from helpers import poison_allocator, rule_violation
 
 pytestmark = pytest.mark.gpu
 
@@ -43,13 +43,6 @@ SHAPES = [  # (b, h, h_kv, i, j): length 1, MQA, grouped cross-attention at non-
     (3, 2, 2, 200, 65),
 ]
 FLAGS = ["none", "causal", "mask", "bias", "all"]
-
-
-def poison_allocator():
-    """Fill the caching allocator's free blocks, small and large pools, with NaN."""
-    blocks = [torch.full((2**17,), float("nan"), device="cuda") for _ in range(16)]
-    blocks.append(torch.full((2**26,), float("nan"), device="cuda"))
-    del blocks
 
 
 def round_to_tf32(x):

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
-from model.attention import CausalSelfAttention, apply_rope, attention_flops_per_token, rope_tables
+from attention_cuda.reference import apply_rope
+from model.attention import CausalSelfAttention, attention_flops_per_token, rope_tables
 
 FAMILIES = {
     "softmax": {"attention": "softmax"},

@@ -1,4 +1,5 @@
-// Torch ops over the kernels: attn_cuda::fwd, attn_cuda::bwd, cosine's attn_cuda::decode, the linear form's, and
+// Torch ops over the kernels: attn_cuda::fwd, attn_cuda::bwd, cosine's attn_cuda::decode, the linear form's, RoPE's
+// rope_split and rope_merge, and
 // what the Python side asks of the build (attn_cuda::head_dims, ...).
 // They run on the current stream, never synchronise the host, and check their inputs with TORCH_CHECK
 // (the Python layer validates first and raises ValueError/NotImplementedError with argument names).
@@ -16,6 +17,7 @@
 #include <utility>
 
 #include "../decode/params.h"
+#include "../rope/rope.h"
 #include "registry.h"
 
 namespace attn {
@@ -538,6 +540,62 @@ bool stat_is_log(c10::string_view kind, double scale, optional<double> qk_norm, 
   return make_score(kind, scale, qk_norm, coef, normalize, has_bias, dtype).score == attn::Score::kExpRowMax;
 }
 
+// The rows and tables RoPE's ops take: a dtype the kernels run, CUDA, one device, fp32 tables (T, D / 2).
+attn::Dtype rope_check(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t T, int64_t D) {
+  attn::Dtype dtype;
+  TORCH_CHECK(x.is_cuda() && kernel_dtype(x.scalar_type(), &dtype), "attn_cuda: rope: rows must be CUDA tensors of ",
+              "float16, bfloat16 or float32");
+  TORCH_CHECK(D > 0 && D % 16 == 0, "attn_cuda: rope: head dim must be a positive multiple of 16, got ", D);
+  for (const Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device() == x.device() &&
+                    t->sizes() == at::IntArrayRef({T, D / 2}),
+                "attn_cuda: rope: cos and sin must be contiguous fp32 (", T, ", ", D / 2, ") on the rows' device");
+  return dtype;
+}
+
+// qkv (B, T, (heads + 2 kv_heads) D) -> q (B, heads, T, D), k (B, kv_heads, T, D), rotated (rope/rope.h).
+std::tuple<Tensor, Tensor> attn_rope_split(const Tensor& qkv, const Tensor& cos, const Tensor& sin, int64_t heads,
+                                           int64_t kv_heads) {
+  TORCH_CHECK(qkv.dim() == 3 && heads > 0 && kv_heads > 0 && qkv.size(2) % (heads + 2 * kv_heads) == 0,
+              "attn_cuda: rope_split: qkv must be (B, T, (heads + 2 kv_heads) D)");
+  const int64_t B = qkv.size(0), T = qkv.size(1), D = qkv.size(2) / (heads + 2 * kv_heads);
+  const attn::Dtype dtype = rope_check(qkv, cos, sin, T, D);
+  const c10::cuda::CUDAGuard guard(qkv.device());
+  const Tensor x = rows_aligned(qkv);
+  Tensor q = at::empty({B, heads, T, D}, qkv.options()), k = at::empty({B, kv_heads, T, D}, qkv.options());
+  attn::RopeParams p{};
+  p.B = B, p.T = T, p.H = heads, p.Hkv = kv_heads, p.D = D;
+  p.cos = cos.data_ptr<float>(), p.sin = sin.data_ptr<float>();
+  p.qkv = x.data_ptr(), p.qkv_sb = x.stride(0), p.qkv_st = x.stride(1), p.q = q.data_ptr(), p.k = k.data_ptr();
+  check_ok(attn::run_rope_split(dtype, p, c10::cuda::getCurrentCUDAStream()), "rope_split");
+  return {q, k};
+}
+
+// dq (B, heads, T, D), dk and dv (B, kv_heads, T, D) -> dqkv (B, T, (heads + 2 kv_heads) D): rope_split's
+// gradient, with v's (a strided view of the projection) in its place.
+Tensor attn_rope_merge(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& cos, const Tensor& sin) {
+  TORCH_CHECK(dq.dim() == 4 && dk.dim() == 4 && dk.sizes() == dv.sizes() && dk.size(0) == dq.size(0) &&
+                  dk.size(2) == dq.size(2) && dk.size(3) == dq.size(3),
+              "attn_cuda: rope_merge: expected dq (B, heads, T, D), dk and dv (B, kv_heads, T, D)");
+  TORCH_CHECK(dk.scalar_type() == dq.scalar_type() && dv.scalar_type() == dq.scalar_type() &&
+                  dk.device() == dq.device() && dv.device() == dq.device(),
+              "attn_cuda: rope_merge: dq, dk, dv must share a dtype and device");
+  const int64_t B = dq.size(0), H = dq.size(1), Hkv = dk.size(1), T = dq.size(2), D = dq.size(3);
+  const attn::Dtype dtype = rope_check(dq, cos, sin, T, D);
+  const c10::cuda::CUDAGuard guard(dq.device());
+  const Tensor q = rows_aligned(dq), k = rows_aligned(dk), v = rows_aligned(dv);
+  Tensor qkv = at::empty({B, T, (H + 2 * Hkv) * D}, dq.options());
+  attn::RopeParams p{};
+  p.B = B, p.T = T, p.H = H, p.Hkv = Hkv, p.D = D;
+  p.cos = cos.data_ptr<float>(), p.sin = sin.data_ptr<float>();
+  p.qkv = qkv.data_ptr(), p.qkv_sb = qkv.stride(0), p.qkv_st = qkv.stride(1);
+  p.q = q.data_ptr(), p.q_sb = q.stride(0), p.q_sh = q.stride(1), p.q_st = q.stride(2);
+  p.k = k.data_ptr(), p.k_sb = k.stride(0), p.k_sh = k.stride(1), p.k_st = k.stride(2);
+  p.v = v.data_ptr(), p.v_sb = v.stride(0), p.v_sh = v.stride(1), p.v_st = v.stride(2);
+  check_ok(attn::run_rope_merge(dtype, p, c10::cuda::getCurrentCUDAStream()), "rope_merge");
+  return qkv;
+}
+
 std::vector<int64_t> head_dims(at::ScalarType dtype) {
   attn::Dtype d;
   return kernel_dtype(dtype, &d) ? attn::compiled_head_dims(d) : std::vector<int64_t>{};
@@ -569,6 +627,8 @@ TORCH_LIBRARY(attn_cuda, m) {
   m.def("chunked_head_dims(ScalarType dtype) -> int[]", &chunked_head_dims);
   m.def("chunked_image_bytes(int D, bool second) -> int", &chunked_image_bytes);
   m.def("decode(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float? qk_norm, int splits) -> Tensor");
+  m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor)");
+  m.def("rope_merge(Tensor dq, Tensor dk, Tensor dv, Tensor cos, Tensor sin) -> Tensor");
   m.def("stat_is_log(str kind, float scale, float? qk_norm, float[] coef, bool normalize, bool has_bias, "
         "ScalarType dtype) -> bool", &stat_is_log);
 }
@@ -584,4 +644,6 @@ TORCH_LIBRARY_IMPL(attn_cuda, CUDA, m) {
   m.impl("lin_grad", &attn_lin_grad);
   m.impl("lin_state", &attn_lin_state);
   m.impl("lin_read", &attn_lin_read);
+  m.impl("rope_split", &attn_rope_split);
+  m.impl("rope_merge", &attn_rope_merge);
 }
