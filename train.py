@@ -30,11 +30,12 @@ together, each doing grad_accum_steps / WORLD_SIZE of them, so a step's batch do
 process count. Evaluations are split over the ranks and summed exactly; rank 0 alone logs and writes the
 checkpoint, which every rank reads on resume (with the same WORLD_SIZE).
 
-``--context-parallel N`` (cosine or fastmax) splits each sequence over N consecutive ranks, with the
-attention of docs/context_parallel.md between them; WORLD_SIZE / N such groups train data-parallel, and
-grad_accum_steps then counts the micro-steps of the groups:
+``--context-parallel N`` splits each sequence over N consecutive ranks, with the attention of
+docs/context_parallel.md between them (softmax: PyTorch's context-parallel SDPA, on GPUs only); WORLD_SIZE / N
+such groups train data-parallel, and grad_accum_steps then counts the micro-steps of the groups:
 
     torchrun --standalone --nproc_per_node=4 train.py --attention cosine --context-parallel 4 --seq_len 16384
+    torchrun --standalone --nproc_per_node=4 train.py --attention softmax --context-parallel 4 --seq_len 16384
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ from lab.steps import (autocast_for, clip_gradients, evaluate, evaluate_recall, 
                        lr_at, make_optimizer, peak_flops, peak_memory_gib, rng_states, sample_text, set_rng_states,
                        setup_device, training_model)
 from model import GPT
+from model.context_parallel import context_device_problem
 
 EXIT_STOPPED = 130  # stopped early by SIGINT/SIGTERM, after saving a checkpoint
 EXIT_DIVERGED = 3  # stopped by a non-finite loss, gradient or weight; the last good checkpoint is kept
@@ -153,6 +155,9 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
                   f"lr_decay_iters={cfg.lr_decay_iters})")
         return 0
     device, dtype = setup_device(cfg, local_rank, world_size)
+    problem = context_device_problem(cfg, device) if context > 1 else None
+    if problem is not None:
+        usage_error(f"context_parallel {context}: {problem}")
     autocast = autocast_for(device, dtype)
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",

@@ -42,8 +42,8 @@ class TrainConfig(GPTConfig):
     data_path: str | None = option(None, "a local enwik8 copy (raw, .zip or .gz); None = the verified download")
     batch_size: int = option(8, "sequences per micro-step")
     grad_accum_steps: int = option(1, "micro-steps per optimizer step, over all processes")
-    context_parallel: int = option(1, "under torchrun, the consecutive ranks that split each sequence (cosine or "
-                                      "fastmax; enwik8); the WORLD_SIZE / context_parallel groups of them "
+    context_parallel: int = option(1, "under torchrun, the consecutive ranks that split each sequence (enwik8; "
+                                      "softmax on GPUs only); the WORLD_SIZE / context_parallel groups of them "
                                       "train data-parallel")
     max_iters: int = option(10000, "optimizer steps")
     lr_decay_iters: int | None = option(None, "the step where the cosine reaches min_lr; None = max_iters "

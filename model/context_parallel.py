@@ -1,10 +1,11 @@
-"""Context parallelism for cosine-sim and fastmax attention: one sequence split across the ranks of a
-process group, each rank holding q (B, H, T, D) and k, v (B, Hkv, T, D) of its own slice, T = its length.
+"""Context parallelism: one sequence split across the ranks of a process group, each rank holding q (B, H, T, D)
+and k, v (B, Hkv, T, D) of its own slice, T = its length.
 
 Cosine-sim runs as ring attention: K/V blocks travel from rank to rank and each rank adds their share to its
 queries' sums. Fastmax never moves K/V: its linear form needs only the fixed-size moments state of the keys
 before a slice, a prefix sum of the ranks' states (as LASP does). Both run on the pure-PyTorch reference or on
-our kernels (``backend``); docs/context_parallel.md says how, and what the GPUs still have to show.
+our kernels (``backend``). Softmax runs on PyTorch's own context-parallel SDPA (its ring attention), the
+baseline's like for like. docs/context_parallel.md says how, and what the GPUs still have to show.
 
 Layout: the sequence is cut into chunks of equal length. In plain order rank r holds chunk r of W; in
 zigzag order it holds chunks r and 2W-1-r of 2W, so that under causal attention every rank does the same
@@ -19,8 +20,12 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.distributed.tensor.experimental._attention as torch_cp
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attention_cuda._kernels import linear_attention
 from attention_cuda.plan import TUNING, Tuning, chunked_path, kernels_reason, linear_kernels_reason, run_dtype
@@ -399,43 +404,111 @@ def fastmax_context_parallel(q, k, v, group=None, *, causal: bool, p: int = 2, a
     return safe_divide(y[..., :d], y[..., d:]).reshape(b, h, t, d).to(q.dtype)
 
 
+# The SDPA kernels PyTorch's context parallelism sends round its ring (its DTensor handler takes their ops), by
+# sdpa_backend. Not "math": that is SDPA spelled in ordinary ops, which DTensor cannot run on sequence shards.
+RING_BACKENDS = {"auto": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION],
+                 "flash": [SDPBackend.FLASH_ATTENTION], "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+                 "cudnn": [SDPBackend.CUDNN_ATTENTION]}
+# Those kernels are CUDA's: on a CPU SDPA runs an op of its own, which PyTorch's ring does not take.
+RING_DEVICE = "cuda"
+EFFICIENT_LSE_ROWS = 32  # the efficient kernel's log-sum-exp rows come padded to a multiple of this (its kAlignLSE)
+# How the ring moves K/V: "alltoall" passes each block to the next rank, one step at a time, as cosine's ring does
+# ("allgather", PyTorch's default, gathers all W blocks at once on every rank).
+RING_ROTATION = "alltoall"
+
+
+def softmax_mesh(group, device: torch.device) -> DeviceMesh:
+    """The 1-D DeviceMesh of group's ranks (on device's type) that softmax_context_parallel takes, with PyTorch's
+    context-parallel SDPA switched on. That switch is PyTorch's and process-wide: from now on SDPA on any DTensor
+    sharded along the sequence runs as its ring, and only softmax_context_parallel makes such tensors here.
+
+    The public torch.distributed.tensor.experimental.context_parallel() is a with-block that shards given buffers
+    itself and patches F.scaled_dot_product_attention while it lasts, forward and backward; the model shards its
+    own slices and calls SDPA on DTensors, so it takes the switch beneath that (private, as are the options below;
+    the same in torch 2.11 and 2.13)."""
+    # PyTorch's ring balances causal work by head-tail order: rank r holds chunks r and 2W-1-r, which is our
+    # zigzag (its mesh rank is our group rank: the mesh is the group's own).
+    torch_cp._cp_options.enable_load_balance = True
+    torch_cp.set_rotate_method(RING_ROTATION)
+    torch_cp._enable_context_parallel_dispatcher()
+    return DeviceMesh.from_group(group, device.type)
+
+
+def softmax_context_parallel(q, k, v, mesh: DeviceMesh, *, backend: str = "auto"):
+    """F.scaled_dot_product_attention(q, k, v, is_causal=True) of the whole sequence, for this rank's slice of it
+    in zigzag order (shard_sequence's; shapes as cosine_ring_attention's), on PyTorch's context-parallel SDPA over
+    ``mesh`` (softmax_mesh's): a ring that passes K/V blocks from rank to rank and merges each block's output by
+    its log-sum-exp, in fp32. ``backend`` is SDPA's (RING_BACKENDS; "auto": PyTorch's pick among them). Every
+    rank of the mesh must call it, and run its backward."""
+    _check_slices(q, k, v, zigzag=True)
+    if backend not in RING_BACKENDS:
+        raise ValueError(f"backend: PyTorch's ring runs SDPA's fused kernels, expected one of {tuple(RING_BACKENDS)}, "
+                         f"got {backend!r}")
+    # Grouped heads expanded first: SDPA's efficient and cuDNN kernels take none (enable_gqa is flash's and math's).
+    k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+    q, k, v = (DTensor.from_local(x, mesh, [Shard(2)], run_check=False) for x in (q, k, v))
+    with sdpa_kernel(RING_BACKENDS[backend]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).to_local()
+
+
 def context_zigzag(cfg, size: int) -> bool:
     """Whether a model of cfg (a GPTConfig) splits its sequences over ``size`` ranks in zigzag order, or
     ValueError naming what cannot run context-parallel. The one place that decides what a model's context
     parallelism supports, for the model and for train.py's --context-parallel alike."""
-    if cfg.attention == "softmax":
-        raise ValueError("attention: context parallelism runs 'cosine' (a ring) or 'fastmax' (a prefix of states); "
-                         "softmax's route is PyTorch's torch.distributed.tensor.experimental.context_parallel for "
-                         "SDPA, which this model does not wire up yet")
+    if cfg.attention == "softmax" and cfg.sdpa_backend not in RING_BACKENDS:
+        raise ValueError(f"sdpa_backend: softmax across ranks runs on PyTorch's context-parallel SDPA, whose ring "
+                         f"takes SDPA's fused kernels; expected one of {tuple(RING_BACKENDS)}, "
+                         f"got {cfg.sdpa_backend!r}")
     if cfg.cosine_sdpa:
         raise ValueError("cosine_sdpa: context parallelism computes cosine's blocks on our kernels or the PyTorch "
                          "reference, not on SDPA; leave cosine_sdpa off")
     if cfg.short_conv:
         raise ValueError(f"short_conv: a slice's first positions would need the previous rank's last inputs, which "
                          f"context parallelism does not pass; expected 0, got {cfg.short_conv}")
-    # Causal cosine is quadratic: in plain order the last rank's queries see every key, the first rank's only
-    # its own, so zigzag balances the ring. Fastmax is linear: each chunk reads one state and does its own
-    # band, the same work wherever it sits, and plain order sends one state per rank rather than two (and is
-    # the order its kernels take).
-    zigzag = cfg.attention == "cosine"
+    # Causal cosine and softmax are quadratic: in plain order the last rank's queries see every key, the first
+    # rank's only its own, so zigzag balances the ring (and is PyTorch's head-tail order, which its softmax ring
+    # takes). Fastmax is linear: each chunk reads one state and does its own band, the same work wherever it
+    # sits, and plain order sends one state per rank rather than two (and is the order its kernels take).
+    zigzag = cfg.attention != "fastmax"
     chunks = 2 * size if zigzag else size
     if cfg.seq_len % chunks:
         raise ValueError(f"seq_len: context parallelism over {size} ranks cuts each sequence into {chunks} chunks "
                          f"({'zigzag order, ' if zigzag else ''}{cfg.attention}), expected a multiple of {chunks}, "
                          f"got {cfg.seq_len}")
+    # SDPA's efficient kernel pads its log-sum-exp to whole tiles of EFFICIENT_LSE_ROWS queries; PyTorch's ring
+    # merges a chunk's rows against it unpadded, so a chunk must fill whole tiles.
+    if cfg.attention == "softmax" and cfg.sdpa_backend == "efficient" and cfg.seq_len // chunks % EFFICIENT_LSE_ROWS:
+        raise ValueError(f"seq_len: SDPA's efficient kernel under PyTorch's ring needs chunks of a multiple of "
+                         f"{EFFICIENT_LSE_ROWS} positions, expected a multiple of {chunks * EFFICIENT_LSE_ROWS} over "
+                         f"{size} ranks, got {cfg.seq_len}")
     return zigzag
+
+
+def context_device_problem(cfg, device: torch.device) -> str | None:
+    """Why a model of cfg cannot run context-parallel on device, or None: what context_zigzag cannot tell from
+    the config alone, for ContextParallel and for train.py (which asks before it starts any process group)."""
+    if cfg.attention == "softmax" and device.type != RING_DEVICE:
+        return (f"device: softmax across ranks runs on PyTorch's context-parallel SDPA, whose ring takes SDPA's "
+                f"flash, efficient and cuDNN kernels, on {RING_DEVICE}; got {device}")
+    return None
 
 
 class ContextParallel:
     """A model's place in a context-parallel group: the slice of each sequence this rank holds, attention
-    over the group's ranks, and this rank's share of the loss."""
+    over the group's ranks, and this rank's share of the loss. ``device``: the model's."""
 
-    def __init__(self, cfg, group):
+    def __init__(self, cfg, group, device: torch.device):
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.zigzag = context_zigzag(cfg, self.size)
+        problem = context_device_problem(cfg, device)
+        if problem is not None:
+            raise ValueError(problem)
         backend = "cuda" if cfg.use_cuda_kernel else "torch"
-        if cfg.attention == "cosine":
+        if cfg.attention == "softmax":
+            self.attend = functools.partial(softmax_context_parallel, mesh=softmax_mesh(group, device),
+                                            backend=cfg.sdpa_backend)
+        elif cfg.attention == "cosine":
             self.attend = functools.partial(cosine_ring_attention, group=group, causal=True, scale=cfg.cosine_scale,
                                             zigzag=True, backend=backend)
         else:

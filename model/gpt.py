@@ -276,8 +276,9 @@ class GPT(nn.Module):
         reaching the other slices over the process group, and returns the logits of the slice and this rank's
         share of the loss (ContextParallel.loss). Every rank of the group must run the same forwards and
         backwards; the caller sums the parameter gradients over the group. None: the whole sequence again.
-        Decoding (a forward with a cache) always runs on one process, on the whole sequence."""
-        self.context = None if group is None else ContextParallel(self.cfg, group)
+        Decoding (a forward with a cache) always runs on one process, on the whole sequence. Call it on the
+        model on its device (softmax's ring runs on CUDA only: ValueError elsewhere)."""
+        self.context = None if group is None else ContextParallel(self.cfg, group, self.wte.weight.device)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean",
                 cache: DecodeCache | None = None):

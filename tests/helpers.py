@@ -2,6 +2,8 @@
 processes joined in a process group."""
 import datetime
 import json
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -36,6 +38,13 @@ def _group_worker(rank: int, world: int, store: str, backend: str, fn, args) -> 
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
+    if backend == "gloo":
+        # Done: leave without finalizing Python. gloo's worker threads may still hold a finished collective's
+        # tensors, whose release takes the GIL; if it comes while Python finalizes, the process aborts (seen after
+        # PyTorch's ring, whose gradients travel by all_to_all; a barrier first only made it rarer).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 # The FlashAttention error rule (tests/test_cuda_kernels.py's docstring): atol times max(|reference|, 1).

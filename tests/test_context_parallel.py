@@ -1,18 +1,26 @@
 """Context parallelism at the attention level: 2 and 4 CPU processes over gloo, each holding its slice of
 one sequence, give the single-process reference's outputs and gradients, in plain and zigzag order. On our
-kernels: their glue on CPU with stand-in ops (kernel_standins), the kernels themselves over NCCL on 2 GPUs."""
+kernels: their glue on CPU with stand-in ops (kernel_standins), the kernels themselves over NCCL on 2 GPUs.
+Softmax: PyTorch's ring on CPU around SDPA's CPU op (ring_on_the_cpu), on its CUDA kernels over NCCL on 2 GPUs."""
 import dataclasses
 import functools
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.tensor.experimental._context_parallel._attention as torch_cp
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
+from torch.nn.attention import sdpa_kernel
 
 import kernel_standins
 from attention_cuda import Tuning, _extension, _kernels, cosine_sim_attention, fastmax_attention
+from attention_cuda.reference import expand_kv
 from helpers import rule_violation, spawn_group
 from model import GPT, GPTConfig, context_parallel
-from model.context_parallel import context_zigzag, cosine_ring_attention, fastmax_context_parallel, shard_sequence
+from model.context_parallel import (RING_BACKENDS, context_zigzag, cosine_ring_attention, fastmax_context_parallel,
+                                    shard_sequence, softmax_context_parallel, softmax_mesh)
 
 B, H, T, D = 2, 4, 24, 8  # T = 24: 3 positions a chunk at 4 ranks in zigzag order (8 chunks)
 FASTMAX = dict(p=2, a0=1.0, a1=1.0, a2=0.5, temperature=2.0)
@@ -60,6 +68,93 @@ def test_slices_across_processes_give_the_single_process_outputs_and_gradients(f
     spawn_group(run_cases, world, tmp_path / "store", family)
 
 
+def causal_sdpa(q, k, v):
+    """Softmax attention of the whole sequence on one process (grouped heads by SDPA's own rule)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _ring_around_the_cpu_op(op, args, kwargs):
+    """DTensor's handler of SDPA's CPU op (forward or backward) on sequence shards: PyTorch's ring around it, as
+    PyTorch's own handler (_sdpa_handler) runs the ring around SDPA's CUDA ops."""
+    info = DTensor._op_dispatcher.unwrap_to_op_info(op, args, kwargs)
+    named = {**dict(zip((a.name for a in op._schema.arguments), info.local_args)), **info.local_kwargs}
+    group = info.compute_mesh.get_group()
+    if op == FLASH_CPU:
+        results = torch_cp._templated_ring_attention(group, 2, op, **named)
+    else:
+        results = torch_cp._templated_ring_attention_backward(group, 2, op, grad_out_name="grad_out", **named)
+    return tuple(DTensor.from_local(r, info.compute_mesh, [Shard(2)], run_check=False) for r in results)
+
+
+def ring_on_the_cpu() -> None:
+    """Let softmax_context_parallel run on this process's CPU: PyTorch's context-parallel dispatcher takes SDPA's
+    CPU op too, running PyTorch's ring (its _templated_ring_attention and backward: the load-balanced block
+    schedule, the K/V and dK/dV rotations, the log-sum-exp merge in fp32) around it. What stands in is the
+    per-block kernel (SDPA's CPU flash op for CUDA's) and the handler; call it before softmax_mesh."""
+    context_parallel.RING_DEVICE = "cpu"
+    torch_cp.custom_ops[FLASH_CPU] = torch_cp.custom_ops[FLASH_CPU_BACKWARD] = _ring_around_the_cpu_op
+
+
+# PyTorch's ring merges the blocks' outputs in fp32 (its convert_to_f32), whatever the inputs' dtype.
+RING_TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+def check_softmax_case(rank: int, world: int, kv_heads: int, group=None) -> None:
+    """This rank's slice of softmax across the ranks against the same rows of the whole-sequence SDPA;
+    rank and world are the ones of ``group`` (None: the default group)."""
+    gen = torch.Generator().manual_seed(0)  # every rank draws the same whole sequence
+    q, d_out = (torch.randn(B, H, T, D, dtype=torch.float64, generator=gen) for _ in range(2))
+    k, v = (torch.randn(B, kv_heads, T, D, dtype=torch.float64, generator=gen) for _ in range(2))
+    expected = output_and_grads(causal_sdpa, (q, k, v), d_out)
+
+    _, positions = shard_sequence(torch.zeros(1, T), rank, world, zigzag=True)
+    mesh = softmax_mesh(dist.group.WORLD if group is None else group, torch.device("cpu"))
+    attention = functools.partial(softmax_context_parallel, mesh=mesh)
+    got = output_and_grads(attention, [x[:, :, positions] for x in (q, k, v)], d_out[:, :, positions])
+    case = f"softmax rank {rank}/{world} kv_heads={kv_heads}"
+    for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
+        torch.testing.assert_close(g, e[:, :, positions], **RING_TOLERANCE, msg=lambda m: f"{case}: {name}: {m}")
+
+
+def run_softmax_cases(rank: int, world: int) -> None:
+    ring_on_the_cpu()
+    for kv_heads in (H, 2, 1):
+        check_softmax_case(rank, world, kv_heads)
+    if world == 4:  # two sequences side by side on groups of two, as beside data parallelism
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        check_softmax_case(rank % 2, 2, H, group=pairs[rank // 2])
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_softmax_slices_on_pytorch_s_ring_give_the_single_process_outputs_and_gradients(world, tmp_path):
+    spawn_group(run_softmax_cases, world, tmp_path / "store")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_pytorch_s_head_tail_order_is_our_zigzag(world):
+    """PyTorch's ring takes each rank's slice in its load balancer's order, which must be shard_sequence's."""
+    t = 4 * world
+    head_tail = _HeadTailLoadBalancer(t, world, "cpu")._generate_indices()[0]
+    zigzag = [shard_sequence(torch.zeros(1, t), rank, world, zigzag=True)[1] for rank in range(world)]
+    assert head_tail.tolist() == torch.cat(zigzag).tolist()
+
+
+def test_softmax_across_ranks_refuses_bad_slices_and_backends_before_any_communication():
+    q = torch.zeros(1, 4, 6, 8)
+    attention = functools.partial(softmax_context_parallel, mesh=None)
+    with pytest.raises(ValueError, match="k, v: expected .* Hkv dividing H=4"):
+        attention(q, torch.zeros(1, 3, 6, 8), torch.zeros(1, 3, 6, 8))
+    with pytest.raises(ValueError, match="q: zigzag .* even, got T=5"):
+        attention(q[:, :, :5], q[:, :, :5], q[:, :, :5])
+    with pytest.raises(ValueError, match="backend: PyTorch's ring runs SDPA's fused kernels, expected one of "
+                                         "\\('auto', 'flash', 'efficient', 'cudnn'\\), got 'math'"):
+        attention(q, q, q, backend="math")
+
+
 def check_kernel_ring(rank: int, world: int, dtype: torch.dtype) -> None:
     """The ring on our kernels, this rank's rows of the output and gradients, against float64 under the
     FlashAttention rule (2x the error of the same PyTorch math in dtype, plus an atol)."""
@@ -84,34 +179,90 @@ def test_the_cosine_ring_on_our_kernels_meets_the_error_rule(dtype, tmp_path):
     spawn_group(check_kernel_ring, 2, tmp_path / "store", dtype, backend="nccl")
 
 
+def loss_and_gradients(model: GPT, x, y):
+    """model's loss (its share under a context group) and the gradients of its parameters, in float64."""
+    loss = model(x, y)[1]
+    return [t.double() for t in (loss.detach(), *torch.autograd.grad(loss, list(model.parameters())))]
+
+
 def check_model_on_gpus(rank: int, world: int, family: str) -> None:
-    """The loss of a 2-layer model of the base width at 8192 bytes, bf16 autocast on our kernels, summed over
-    the group's shares, against float64 on one GPU: within twice the error of the same model in bf16 on one
-    GPU, plus a small atol (the loss is a mean over 8192 positions, so its rounding partly cancels)."""
+    """The loss and parameter gradients of a 2-layer model of the base width at 8192 bytes in bf16 autocast (cosine
+    and fastmax on our kernels, softmax on SDPA), summed over the group's shares, against float64 on one GPU: each
+    within twice the error of the same model in bf16 on one GPU, plus 1e-3 of the float64 value's largest magnitude
+    (the loss is a mean over 8192 positions, so its rounding partly cancels)."""
     torch.manual_seed(0)
-    cfg = GPTConfig(n_layer=2, n_head=8, n_embd=512, seq_len=8192, attention=family, use_cuda_kernel=True)
+    cfg = GPTConfig(n_layer=2, n_head=8, n_embd=512, seq_len=8192, attention=family,
+                    use_cuda_kernel=family != "softmax")
     model = GPT(cfg).cuda()
     exact = GPT(dataclasses.replace(cfg, use_cuda_kernel=False)).cuda().double()
     exact.load_state_dict(model.state_dict())
     gen = torch.Generator(device="cuda").manual_seed(1)
     x, y = (torch.randint(0, 256, (1, 8192), generator=gen, device="cuda") for _ in range(2))
-    with torch.no_grad():
-        reference = exact(x, y)[1].item()
-        with torch.autocast("cuda", torch.bfloat16):
-            single = model(x, y)[1].item()
-            model.set_context_group(dist.group.WORLD)
-            share = model(x, y)[1].float()
-    dist.all_reduce(share)
-    err, err_single = abs(share.item() - reference), abs(single - reference)
-    assert err <= 2 * err_single + 1e-3 * reference, (f"{family} rank {rank}: context-parallel loss {share.item():.6f}, "
-                                                      f"one GPU {single:.6f}, float64 {reference:.6f}")
+    reference = loss_and_gradients(exact, x, y)
+    with torch.autocast("cuda", torch.bfloat16):
+        single = loss_and_gradients(model, x, y)
+        model.set_context_group(dist.group.WORLD)
+        shares = loss_and_gradients(model, x, y)
+    problems = []
+    for name, share, one, exact_value in zip(["loss"] + [n for n, _ in model.named_parameters()], shares, single,
+                                             reference):
+        dist.all_reduce(share)
+        err, err_single = ((t - exact_value).abs().max().item() for t in (share, one))
+        bound = 2 * err_single + 1e-3 * exact_value.abs().max().item()
+        if err > bound:
+            problems.append(f"{family} rank {rank} {name}: context-parallel error {err:.3g} > {bound:.3g} (one GPU's "
+                            f"{err_single:.3g})")
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="context parallelism over NCCL needs 2 GPUs")
-@pytest.mark.parametrize("family", ["cosine", "fastmax"])
-def test_the_model_on_two_gpus_gives_the_one_gpu_loss(family, tmp_path):
+@pytest.mark.parametrize("family", ["softmax", "cosine", "fastmax"])
+def test_the_model_on_two_gpus_gives_the_one_gpu_loss_and_gradients(family, tmp_path):
     spawn_group(check_model_on_gpus, 2, tmp_path / "store", family, backend="nccl")
+
+
+def one_gpu_sdpa(q, k, v, backend: str):
+    """causal_sdpa on SDPA's ``backend`` kernel, grouped heads expanded (efficient and cuDNN take none)."""
+    with sdpa_kernel(RING_BACKENDS[backend]):
+        return causal_sdpa(q, expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1]))
+
+
+def check_softmax_ring(rank: int, world: int, dtype: torch.dtype, backend: str) -> None:
+    """softmax_context_parallel on SDPA's ``backend`` kernel over NCCL, this rank's rows of the output and gradients,
+    against float64 under the FlashAttention rule (2x the error of the same kernel in dtype on one GPU, plus an
+    atol); grouped kv heads in one case."""
+    b, h, t, d = 2, 4, 2048, 64
+    mesh = softmax_mesh(dist.group.WORLD, torch.device("cuda", rank))
+    _, positions = shard_sequence(torch.zeros(1, t), rank, world, zigzag=True)
+    problems = []
+    for kv_heads in (h, 2):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, d_out = (torch.randn(b, h, t, d, dtype=torch.float64, device="cuda", generator=gen) for _ in range(2))
+        k, v = (torch.randn(b, kv_heads, t, d, dtype=torch.float64, device="cuda", generator=gen) for _ in range(2))
+        expected = output_and_grads(causal_sdpa, (q, k, v), d_out)
+        one_gpu = functools.partial(one_gpu_sdpa, backend=backend)
+        same_kernel = output_and_grads(one_gpu, [x.to(dtype) for x in (q, k, v)], d_out.to(dtype))
+        ring = functools.partial(softmax_context_parallel, mesh=mesh, backend=backend)
+        got = output_and_grads(ring, [x[:, :, positions].to(dtype) for x in (q, k, v)],
+                               d_out[:, :, positions].to(dtype))
+        problems += [f"rank {rank} kv_heads={kv_heads} {name}: {p}"
+                     for name, g, s, e in zip(("out", "dq", "dk", "dv"), got, same_kernel, expected)
+                     if (p := rule_violation(g, s[:, :, positions], e[:, :, positions], dtype))]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the ring over NCCL needs 2 GPUs")
+@pytest.mark.parametrize("backend", ["flash", "efficient", "cudnn"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda t: str(t).split(".")[-1])
+def test_softmax_on_pytorch_s_ring_meets_the_error_rule(dtype, backend, tmp_path):
+    q = torch.zeros(1, 4, 256, 64, dtype=dtype, device="cuda")
+    try:
+        one_gpu_sdpa(q, q, q, backend)
+    except RuntimeError as err:  # SDPA: "No available kernel"
+        pytest.skip(f"SDPA's {backend} kernel does not run here: {str(err).splitlines()[0]}")
+    spawn_group(check_softmax_ring, 2, tmp_path / "store", dtype, backend, backend="nccl")
 
 
 def drifting_sequence(b: int, h: int, kv_heads: int, t: int, d: int, device="cpu"):
@@ -229,6 +380,7 @@ def check_model(rank: int, world: int, family: str, group) -> None:
     """The model under a context group of ``world`` ranks (this one ``rank`` of them) against the same model
     on the whole batch: the loss shares and the parameter gradients summed over the group, the slice's
     logits, and the per-token loss."""
+    tolerance = RING_TOLERANCE if family == "softmax" else {}
     model = tiny_model(family)
     gen = torch.Generator().manual_seed(1)
     x, y = (torch.randint(0, 256, (2, 16), generator=gen) for _ in range(2))
@@ -239,20 +391,23 @@ def check_model(rank: int, world: int, family: str, group) -> None:
     per_token = model(x, y, reduction="none")[1].detach()
 
     model.set_context_group(group)
-    _, positions = shard_sequence(x, rank, world, zigzag=family == "cosine")
+    _, positions = shard_sequence(x, rank, world, zigzag=context_zigzag(model.cfg, world))
     local_logits, share = model(x, y)
     got = [share.detach(), *torch.autograd.grad(share, params)]
     for g in got:
         dist.all_reduce(g, group=group)
     case = f"{family} rank {rank}/{world}"
-    torch.testing.assert_close(local_logits.detach(), logits.detach()[:, positions],
+    torch.testing.assert_close(local_logits.detach(), logits.detach()[:, positions], **tolerance,
                                msg=lambda m: f"{case}: logits: {m}")
     for name, g, e in zip(["loss"] + [n for n, _ in model.named_parameters()], got, expected):
-        torch.testing.assert_close(g, e, msg=lambda m: f"{case}: {name}: {m}")
-    torch.testing.assert_close(model(x, y, reduction="none")[1], per_token, msg=lambda m: f"{case}: per token: {m}")
+        torch.testing.assert_close(g, e, **tolerance, msg=lambda m: f"{case}: {name}: {m}")
+    torch.testing.assert_close(model(x, y, reduction="none")[1], per_token, **tolerance,
+                               msg=lambda m: f"{case}: per token: {m}")
 
 
 def run_model(rank: int, world: int, family: str) -> None:
+    if family == "softmax":
+        ring_on_the_cpu()
     check_model(rank, world, family, dist.group.WORLD)
     if world == 4:  # the groups train.py makes: consecutive ranks, two sequences side by side
         pair, _ = dist.new_subgroups(2)
@@ -260,13 +415,18 @@ def run_model(rank: int, world: int, family: str) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("family", ["cosine", "fastmax"])
+@pytest.mark.parametrize("family", ["softmax", "cosine", "fastmax"])
 def test_the_model_under_a_context_group_gives_the_single_process_loss_and_gradients(family, world, tmp_path):
     spawn_group(run_model, world, tmp_path / "store", family)
 
 
 @pytest.mark.parametrize("changes, match", [
-    (dict(attention="softmax"), "attention: .* 'cosine' .* 'fastmax' .* torch.distributed.tensor.experimental"),
+    (dict(attention="softmax", sdpa_backend="math"), "sdpa_backend: softmax across ranks runs on PyTorch's "
+     "context-parallel SDPA, .* expected one of \\('auto', 'flash', 'efficient', 'cudnn'\\), got 'math'"),
+    (dict(attention="softmax", seq_len=12), "seq_len: .* 8 chunks \\(zigzag order, softmax\\), expected .* of 8"),
+    (dict(attention="softmax", sdpa_backend="efficient", seq_len=128),
+     "seq_len: SDPA's efficient kernel .* chunks of a multiple of 32 positions, expected a multiple of 256 over 4 "
+     "ranks, got 128"),
     (dict(attention="cosine", cosine_sdpa=True), "cosine_sdpa: .* not on SDPA; leave cosine_sdpa off"),
     (dict(attention="fastmax", short_conv=3), "short_conv: .* expected 0, got 3"),
     (dict(attention="cosine", seq_len=12), "seq_len: .* 8 chunks \\(zigzag order, cosine\\), expected .* of 8, got 12"),
@@ -282,6 +442,12 @@ def test_what_cannot_run_context_parallel_is_refused(changes, match):
 def test_both_attentions_run_context_parallel_on_the_reference_and_on_our_kernels(attention, zigzag, use_cuda_kernel):
     cfg = GPTConfig(n_embd=16, n_head=2, attention=attention, use_cuda_kernel=use_cuda_kernel)
     assert context_zigzag(cfg, 4) is zigzag
+
+
+@pytest.mark.parametrize("sdpa_backend", list(RING_BACKENDS))
+def test_softmax_runs_context_parallel_in_zigzag_order_on_sdpa_s_fused_kernels(sdpa_backend):
+    cfg = GPTConfig(n_embd=16, n_head=2, seq_len=256, attention="softmax", sdpa_backend=sdpa_backend)
+    assert context_zigzag(cfg, 4) is True
 
 
 @pytest.fixture
@@ -311,6 +477,14 @@ def test_use_cuda_kernel_puts_the_model_s_context_group_on_our_kernels(family, m
     q = torch.zeros(1, 2, 16, 8)
     with pytest.raises(ValueError, match=match):
         model.context.attend(q, q, q)
+
+
+def test_softmax_s_context_group_needs_a_cuda_model(group_of_one):
+    """PyTorch's ring runs SDPA's CUDA kernels: a model elsewhere is refused before anything is switched on."""
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, seq_len=16, attention="softmax"))
+    with pytest.raises(ValueError, match="device: softmax across ranks runs on PyTorch's context-parallel SDPA, .* "
+                                         "flash, efficient and cuDNN kernels, on cuda; got cpu"):
+        model.set_context_group(dist.group.WORLD)
 
 
 def test_shard_sequence_gives_plain_and_zigzag_slices_and_their_positions():

@@ -194,7 +194,10 @@ def test_a_context_parallel_run_resumes_exactly(tmp_path, data_path):
     ("4", ["--attention", "cosine", "--context-parallel", "2", "--grad_accum_steps", "3"],
      "grad_accum_steps: expected a multiple of WORLD_SIZE / context_parallel = 4 / 2"),
     ("2", ["--attention", "softmax", "--context-parallel", "2"],
-     "context_parallel 2: attention: context parallelism runs 'cosine' (a ring) or 'fastmax'"),
+     "context_parallel 2: device: softmax across ranks runs on PyTorch's context-parallel SDPA, whose ring takes "
+     "SDPA's flash, efficient and cuDNN kernels, on cuda; got cpu"),
+    ("2", ["--attention", "softmax", "--context-parallel", "2", "--sdpa_backend", "math"],
+     "context_parallel 2: sdpa_backend: softmax across ranks runs on PyTorch's context-parallel SDPA"),
     ("2", ["--attention", "cosine", "--context-parallel", "2", "--seq_len", "34"],
      "context_parallel 2: seq_len: context parallelism over 2 ranks cuts each sequence into 4 chunks (zigzag order, "
      "cosine), expected a multiple of 4, got 34"),
