@@ -405,13 +405,13 @@ def fastmax_context_parallel(q, k, v, group=None, *, causal: bool, p: int = 2, a
 
 
 # The SDPA kernels PyTorch's context parallelism sends round its ring (its DTensor handler takes their ops), by
-# sdpa_backend. Not "math": that is SDPA spelled in ordinary ops, which DTensor cannot run on sequence shards.
-RING_BACKENDS = {"auto": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION],
-                 "flash": [SDPBackend.FLASH_ATTENTION], "efficient": [SDPBackend.EFFICIENT_ATTENTION],
-                 "cudnn": [SDPBackend.CUDNN_ATTENTION]}
+# sdpa_backend. Not "math": that is SDPA spelled in ordinary ops, which DTensor cannot run on sequence shards. Not
+# "efficient" either: under the ring it failed its 2-GPU test against float64 (bf16 and fp16, session 37;
+# docs/context_parallel.md), where flash and cuDNN pass.
+RING_BACKENDS = {"auto": [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION],
+                 "flash": [SDPBackend.FLASH_ATTENTION], "cudnn": [SDPBackend.CUDNN_ATTENTION]}
 # Those kernels are CUDA's: on a CPU SDPA runs an op of its own, which PyTorch's ring does not take.
 RING_DEVICE = "cuda"
-EFFICIENT_LSE_ROWS = 32  # the efficient kernel's log-sum-exp rows come padded to a multiple of this (its kAlignLSE)
 # How the ring moves K/V: "alltoall" passes each block to the next rank, one step at a time, as cosine's ring does
 # ("allgather", PyTorch's default, gathers all W blocks at once on every rank).
 RING_ROTATION = "alltoall"
@@ -444,7 +444,7 @@ def softmax_context_parallel(q, k, v, mesh: DeviceMesh, *, backend: str = "auto"
     if backend not in RING_BACKENDS:
         raise ValueError(f"backend: PyTorch's ring runs SDPA's fused kernels, expected one of {tuple(RING_BACKENDS)}, "
                          f"got {backend!r}")
-    # Grouped heads expanded first: SDPA's efficient and cuDNN kernels take none (enable_gqa is flash's and math's).
+    # Grouped heads expanded first: SDPA's cuDNN kernel takes none (enable_gqa is flash's and math's).
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     q, k, v = (DTensor.from_local(x, mesh, [Shard(2)], run_check=False) for x in (q, k, v))
     with sdpa_kernel(RING_BACKENDS[backend]):
@@ -457,7 +457,7 @@ def context_zigzag(cfg, size: int) -> bool:
     parallelism supports, for the model and for train.py's --context-parallel alike."""
     if cfg.attention == "softmax" and cfg.sdpa_backend not in RING_BACKENDS:
         raise ValueError(f"sdpa_backend: softmax across ranks runs on PyTorch's context-parallel SDPA, whose ring "
-                         f"takes SDPA's fused kernels; expected one of {tuple(RING_BACKENDS)}, "
+                         f"takes SDPA's flash and cuDNN kernels; expected one of {tuple(RING_BACKENDS)}, "
                          f"got {cfg.sdpa_backend!r}")
     if cfg.cosine_sdpa:
         raise ValueError("cosine_sdpa: context parallelism computes cosine's blocks on our kernels or the PyTorch "
@@ -475,12 +475,6 @@ def context_zigzag(cfg, size: int) -> bool:
         raise ValueError(f"seq_len: context parallelism over {size} ranks cuts each sequence into {chunks} chunks "
                          f"({'zigzag order, ' if zigzag else ''}{cfg.attention}), expected a multiple of {chunks}, "
                          f"got {cfg.seq_len}")
-    # SDPA's efficient kernel pads its log-sum-exp to whole tiles of EFFICIENT_LSE_ROWS queries; PyTorch's ring
-    # merges a chunk's rows against it unpadded, so a chunk must fill whole tiles.
-    if cfg.attention == "softmax" and cfg.sdpa_backend == "efficient" and cfg.seq_len // chunks % EFFICIENT_LSE_ROWS:
-        raise ValueError(f"seq_len: SDPA's efficient kernel under PyTorch's ring needs chunks of a multiple of "
-                         f"{EFFICIENT_LSE_ROWS} positions, expected a multiple of {chunks * EFFICIENT_LSE_ROWS} over "
-                         f"{size} ranks, got {cfg.seq_len}")
     return zigzag
 
 
@@ -489,7 +483,7 @@ def context_device_problem(cfg, device: torch.device) -> str | None:
     the config alone, for ContextParallel and for train.py (which asks before it starts any process group)."""
     if cfg.attention == "softmax" and device.type != RING_DEVICE:
         return (f"device: softmax across ranks runs on PyTorch's context-parallel SDPA, whose ring takes SDPA's "
-                f"flash, efficient and cuDNN kernels, on {RING_DEVICE}; got {device}")
+                f"flash and cuDNN kernels, on {RING_DEVICE}; got {device}")
     return None
 
 

@@ -151,7 +151,7 @@ def test_softmax_across_ranks_refuses_bad_slices_and_backends_before_any_communi
     with pytest.raises(ValueError, match="q: zigzag .* even, got T=5"):
         attention(q[:, :, :5], q[:, :, :5], q[:, :, :5])
     with pytest.raises(ValueError, match="backend: PyTorch's ring runs SDPA's fused kernels, expected one of "
-                                         "\\('auto', 'flash', 'efficient', 'cudnn'\\), got 'math'"):
+                                         "\\('auto', 'flash', 'cudnn'\\), got 'math'"):
         attention(q, q, q, backend="math")
 
 
@@ -254,7 +254,7 @@ def check_softmax_ring(rank: int, world: int, dtype: torch.dtype, backend: str) 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the ring over NCCL needs 2 GPUs")
-@pytest.mark.parametrize("backend", ["flash", "efficient", "cudnn"])
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda t: str(t).split(".")[-1])
 def test_softmax_on_pytorch_s_ring_meets_the_error_rule(dtype, backend, tmp_path):
     q = torch.zeros(1, 4, 256, 64, dtype=dtype, device="cuda")
@@ -422,11 +422,10 @@ def test_the_model_under_a_context_group_gives_the_single_process_loss_and_gradi
 
 @pytest.mark.parametrize("changes, match", [
     (dict(attention="softmax", sdpa_backend="math"), "sdpa_backend: softmax across ranks runs on PyTorch's "
-     "context-parallel SDPA, .* expected one of \\('auto', 'flash', 'efficient', 'cudnn'\\), got 'math'"),
+     "context-parallel SDPA, .* expected one of \\('auto', 'flash', 'cudnn'\\), got 'math'"),
     (dict(attention="softmax", seq_len=12), "seq_len: .* 8 chunks \\(zigzag order, softmax\\), expected .* of 8"),
-    (dict(attention="softmax", sdpa_backend="efficient", seq_len=128),
-     "seq_len: SDPA's efficient kernel .* chunks of a multiple of 32 positions, expected a multiple of 256 over 4 "
-     "ranks, got 128"),
+    (dict(attention="softmax", sdpa_backend="efficient"), "sdpa_backend: .* takes SDPA's flash and cuDNN kernels; "
+     "expected one of \\('auto', 'flash', 'cudnn'\\), got 'efficient'"),
     (dict(attention="cosine", cosine_sdpa=True), "cosine_sdpa: .* not on SDPA; leave cosine_sdpa off"),
     (dict(attention="fastmax", short_conv=3), "short_conv: .* expected 0, got 3"),
     (dict(attention="cosine", seq_len=12), "seq_len: .* 8 chunks \\(zigzag order, cosine\\), expected .* of 8, got 12"),
@@ -483,7 +482,7 @@ def test_softmax_s_context_group_needs_a_cuda_model(group_of_one):
     """PyTorch's ring runs SDPA's CUDA kernels: a model elsewhere is refused before anything is switched on."""
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, seq_len=16, attention="softmax"))
     with pytest.raises(ValueError, match="device: softmax across ranks runs on PyTorch's context-parallel SDPA, .* "
-                                         "flash, efficient and cuDNN kernels, on cuda; got cpu"):
+                                         "flash and cuDNN kernels, on cuda; got cpu"):
         model.set_context_group(dist.group.WORLD)
 
 
