@@ -345,7 +345,9 @@ def fastmax_seeds(src: Sources, link: Link) -> list[str]:
             "does not fit at 10,000). " + _sources_line(src, link, [FASTMAX_SEEDS])]
 
 
-THROUGHPUT, THROUGHPUT_8192 = "bench/throughput.json", "bench/runs/2026-11-22_s13_throughput-8192.json"
+THROUGHPUT, THROUGHPUT_8192 = "bench/throughput.json", "bench/runs/2026-11-26_s37_throughput-compiled-h200.json"
+
+
 def _variant_labels() -> dict[str, str]:
     """model/variants.py's labels, the file loaded by path: the model package imports torch, which these
     tables do not need."""
