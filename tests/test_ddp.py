@@ -195,7 +195,7 @@ def test_a_context_parallel_run_resumes_exactly(tmp_path, data_path):
      "grad_accum_steps: expected a multiple of WORLD_SIZE / context_parallel = 4 / 2"),
     ("2", ["--attention", "softmax", "--context-parallel", "2"],
      "context_parallel 2: device: softmax across ranks runs on PyTorch's context-parallel SDPA, whose ring takes "
-     "SDPA's flash, efficient and cuDNN kernels, on cuda; got cpu"),
+     "SDPA's flash and cuDNN kernels, on cuda; got cpu"),
     ("2", ["--attention", "softmax", "--context-parallel", "2", "--sdpa_backend", "math"],
      "context_parallel 2: sdpa_backend: softmax across ranks runs on PyTorch's context-parallel SDPA"),
     ("2", ["--attention", "cosine", "--context-parallel", "2", "--seq_len", "34"],
