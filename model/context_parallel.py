@@ -31,6 +31,7 @@ from attention_cuda._kernels import linear_attention
 from attention_cuda.plan import TUNING, Tuning, chunked_path, kernels_reason, linear_kernels_reason, run_dtype
 from attention_cuda.reference import chunk_rows, expand_kv, key_moment, safe_divide, scale_rows, score_dtype
 from attention_cuda.score import cosine_policy, poly_policy
+from model.attention import kernel_backend
 
 
 def _chunks(rank: int, world_size: int, zigzag: bool) -> tuple[int, ...]:
@@ -498,7 +499,7 @@ class ContextParallel:
         problem = context_device_problem(cfg, device)
         if problem is not None:
             raise ValueError(problem)
-        backend = "cuda" if cfg.use_cuda_kernel else "torch"
+        backend = kernel_backend(cfg)
         if cfg.attention == "softmax":
             self.attend = functools.partial(softmax_context_parallel, mesh=softmax_mesh(group, device),
                                             backend=cfg.sdpa_backend)
