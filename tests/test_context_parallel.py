@@ -38,6 +38,16 @@ def output_and_grads(attention, inputs, d_out):
     return (out.detach(), *torch.autograd.grad(out, leaves, d_out))
 
 
+def slice_problems(label, attention, q, k, v, d_out, positions, dtype, same_math, expected) -> list[str]:
+    """The context-parallel ``attention`` on this rank's rows (positions) of the whole sequence's q, k, v and
+    d_out, in dtype: what breaks the FlashAttention rule in its output and gradients against the same rows of
+    the whole sequence's (same_math: the same PyTorch math in dtype; expected: float64)."""
+    rows = [x[:, :, positions].to(dtype) for x in (q, k, v, d_out)]
+    got = output_and_grads(attention, rows[:3], rows[3])
+    return [f"{label} {name}: {p}" for name, g, s, e in zip(("out", "dq", "dk", "dv"), got, same_math, expected)
+            if (p := rule_violation(g, s[:, :, positions], e[:, :, positions], dtype))]
+
+
 def check_case(rank: int, world: int, family: str, causal: bool, zigzag: bool, kv_heads: int, group=None) -> None:
     """This rank's slice of the context-parallel result against the same rows of the whole-sequence one;
     rank and world are the ones of ``group`` (None: the default group)."""
@@ -166,9 +176,7 @@ def check_kernel_ring(rank: int, world: int, dtype: torch.dtype) -> None:
                            for dt in (torch.float64, dtype))
     _, positions = shard_sequence(torch.zeros(1, t), rank, world, zigzag=True)
     ring = functools.partial(cosine_ring_attention, scale=10.0, causal=True, zigzag=True, backend="cuda")
-    got = output_and_grads(ring, [x[:, :, positions].to(dtype) for x in (q, k, v)], d_out[:, :, positions].to(dtype))
-    problems = [f"rank {rank} {name}: {p}" for name, g, s, e in zip(("out", "dq", "dk", "dv"), got, same_math, expected)
-                if (p := rule_violation(g, s[:, :, positions], e[:, :, positions], dtype))]
+    problems = slice_problems(f"rank {rank}", ring, q, k, v, d_out, positions, dtype, same_math, expected)
     assert not problems, "\n".join(problems)
 
 
@@ -244,11 +252,8 @@ def check_softmax_ring(rank: int, world: int, dtype: torch.dtype, backend: str) 
         one_gpu = functools.partial(one_gpu_sdpa, backend=backend)
         same_kernel = output_and_grads(one_gpu, [x.to(dtype) for x in (q, k, v)], d_out.to(dtype))
         ring = functools.partial(softmax_context_parallel, mesh=mesh, backend=backend)
-        got = output_and_grads(ring, [x[:, :, positions].to(dtype) for x in (q, k, v)],
-                               d_out[:, :, positions].to(dtype))
-        problems += [f"rank {rank} kv_heads={kv_heads} {name}: {p}"
-                     for name, g, s, e in zip(("out", "dq", "dk", "dv"), got, same_kernel, expected)
-                     if (p := rule_violation(g, s[:, :, positions], e[:, :, positions], dtype))]
+        problems += slice_problems(f"rank {rank} kv_heads={kv_heads}", ring, q, k, v, d_out, positions, dtype,
+                                   same_kernel, expected)
     assert not problems, "\n".join(problems)
 
 
@@ -349,11 +354,8 @@ def check_kernel_fastmax(rank: int, world: int, dtype: torch.dtype) -> None:
                                for dt in (torch.float64, dtype))
         parallel = functools.partial(fastmax_context_parallel, **options, causal=causal, backend="cuda",
                                      tuning=Tuning(chunked_rows=256))
-        got = output_and_grads(parallel, [x[:, :, positions].to(dtype) for x in (q, k, v)],
-                               d_out[:, :, positions].to(dtype))
-        problems += [f"rank {rank} causal={causal} kv_heads={kv_heads} {name}: {p}"
-                     for name, g, s, e in zip(("out", "dq", "dk", "dv"), got, same_math, expected)
-                     if (p := rule_violation(g, s[:, :, positions], e[:, :, positions], dtype))]
+        problems += slice_problems(f"rank {rank} causal={causal} kv_heads={kv_heads}", parallel, q, k, v, d_out,
+                                   positions, dtype, same_math, expected)
     assert not problems, "\n".join(problems)
 
 
