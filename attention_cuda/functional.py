@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _extension, _kernels, reference
-from .plan import BACKENDS, Plan, Tuning, resolve, rope_kernels_reason
+from .plan import BACKENDS, Plan, Tuning, reference_reason, resolve, rope_kernels_reason
 from .score import ScorePolicy, cosine_policy, exp_policy, poly_policy
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -217,10 +217,7 @@ def rotary_qkv(qkv, cos, sin, *, heads: int, kv_heads: int, backend="auto"):
                                 else type(table).__name__))
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    reason = "backend='torch' asked for" if backend == "torch" else rope_kernels_reason(qkv.device, qkv.dtype, d)
-    if reason is not None and backend == "cuda":
-        raise NotImplementedError(f'backend="cuda": {reason}')
-    if reason is None:
+    if reference_reason(backend, lambda: rope_kernels_reason(qkv.device, qkv.dtype, d)) is None:
         return _kernels.rotary_qkv(qkv, cos, sin, heads, kv_heads)
     return reference.rotary_qkv(qkv, cos, sin, heads, kv_heads)
 

@@ -113,6 +113,16 @@ def kernels_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> s
     return None
 
 
+def reference_reason(backend: str, kernels_cannot) -> str | None:
+    """Why a call with a valid ``backend`` runs on the PyTorch reference, or None where it runs on our kernels:
+    "torch" asks for the reference; "auto" takes it where ``kernels_cannot()`` gives a reason the kernels cannot
+    run the call; "cuda" raises NotImplementedError with that reason instead."""
+    reason = "backend='torch' asked for" if backend == "torch" else kernels_cannot()
+    if reason is not None and backend == "cuda":
+        raise NotImplementedError(f'backend="cuda": {reason}')
+    return reason
+
+
 def rope_kernels_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """None when RoPE's kernels (attn_cuda::rope_split, rope_merge) take rows of this device, dtype and head
     dim, else why not."""
@@ -209,13 +219,9 @@ def resolve(*, device: torch.device, dtype: torch.dtype, head_dim: int, keys: in
         raise NotImplementedError("dropout: the linear form cannot drop individual weights; "
                                   "use form='quadratic' or dropout=0")
     why = []
-    reason = "backend='torch' asked for" if backend == "torch" else (
+    reason = reference_reason(backend, lambda: (
         "dropout: the kernels do not implement dropout (use dropout=0 or backend='torch')" if dropout > 0
-        else kernels_reason(device, dtype, head_dim))
-    if reason is None and form == "linear":
-        reason = linear_kernels_reason(dtype)
-    if reason is not None and backend == "cuda":
-        raise NotImplementedError(f'backend="cuda": {reason}')
+        else kernels_reason(device, dtype, head_dim) or (linear_kernels_reason(dtype) if form == "linear" else None)))
     on_kernels = reason is None
     why.append(("our kernels",) if on_kernels else ("the PyTorch reference: ", reason))
 
