@@ -244,8 +244,9 @@ struct Mma {  // fp16 / bf16: mma.m16n8k16
     const int l = lane_id();
     ldsm_x4(a, s.at(m0 + (l & 15), (k0 + (l >> 4) * 8) * 2));
   }
-  // A from [k][m] storage (A transposed in memory)
-  __device__ static void lda_t(uint32_t* a, Tile s, int k0, int m0) {
+  // A from [k][m] storage (A transposed in memory); any tile with at(row, byte) (a swizzled one too)
+  template <class S>
+  __device__ static void lda_t(uint32_t* a, S s, int k0, int m0) {
     const int l = lane_id();
     ldsm_x4_t(a, s.at(k0 + (l & 7) + (l >> 4) * 8, (m0 + ((l >> 3) & 1) * 8) * 2));
   }

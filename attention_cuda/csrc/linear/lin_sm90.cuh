@@ -3,8 +3,9 @@
 // The sweep of linear.cuh carries the state through a sequence in one CTA per slice, and is bound by
 // the latency of its per-chunk steps. Here the two halves of a sweep are kernels of their own:
 //   lin_state  S_c = sum over the chunks before c (after c: reverse; all: non-causal) of phi(x) w^T,
-//              one CTA per (batch, kv head, kTiles image tiles) walking the chunks in order, the state as
-//              wgmma accumulators (M = features, N = w's columns, K = rows); before each chunk it
+//              one CTA per (batch, kv head, 2 x kTiles image tiles) walking the chunks in order, two
+//              warpgroups with the state as wgmma accumulators (M = features, N = w's columns, K = rows)
+//              reading the same rows, which TMA brings in; before each chunk it
 //              writes S_c, coefficients applied, as an "image": tiles of 64 features x the columns,
 //              already in the 64-byte-swizzled layout of common/wgmma.cuh, so that a reader copies a tile
 //              into shared memory with one bulk copy;
@@ -66,29 +67,42 @@ struct LinFeatures {
 template <class T, int D>
 struct LinState90 {
   using F = LinFeatures<D>;
-  static constexpr int kTiles = D <= 32 ? 2 : D <= 64 ? 3 : 2;  // image tiles per CTA (accumulators)
-  // Rows per stage, one warpgroup: 128 at d64 halves the stage barriers; at d128 two such stages leave
-  // one CTA per SM, which costs more than the barriers, so 64 (bench/notes/run-23.md).
-  static constexpr int kRows = D <= 64 ? 128 : 64, kThreads = 128;
-  static constexpr int kXPitch = (D + 16) * 2 + 16;
-  static constexpr int kW = F::kPanels * 64 * kRows, kX = kRows * kXPitch, kStage = kW + kX;
-  static constexpr int kBytes = 2 * kStage + 1024;
+  static constexpr int kTiles = D <= 32 ? 2 : D <= 64 ? 3 : 2;  // image tiles per warpgroup (accumulators)
+  // Two warpgroups, each with its own image tiles, share every stage of 128 rows: each row loaded feeds
+  // twice the products it did with one warpgroup per CTA, which then left lin_state waiting on its loads.
+  // A stage's x and w rows arrive by TMA, issued by one thread, as swizzled tiles (D + 16 columns, those
+  // past the rows' width zero-filled): with cp.async by every thread the address arithmetic and its
+  // waits were a quarter of the kernel's stalls. Three stages at d64, so that the stage a load
+  // overwrites was read two steps back and no step drains the tensor pipe; at d128 three stages of 128
+  // rows do not fit, and two of 128 beat three or four of 64 (bench/notes/run-37.md).
+  static constexpr int kWgs = 2, kRows = 128, kThreads = 128 * kWgs, kStages = D <= 64 ? 3 : 2;
+  static constexpr int kXPanels = ((D + 16) * 2 + 63) / 64;
+  static constexpr int kW = F::kPanels * 64 * kRows, kX = kXPanels * 64 * kRows, kStage = kW + kX;
+  static constexpr int kBytes = kStages * kStage + 8 * kStages + 1024;  // stages, mbarriers, alignment
+};
+
+// The kernel's parameter: the rows' tensor maps, which must live in parameter space, and the Params.
+struct LinStateArgs {
+  CUtensorMap x, w;
+  LinStateParams p;
 };
 
 template <class T, int D>
-__global__ void __launch_bounds__(128) lin_state_kernel(const LinStateParams p) {
+__global__ void __launch_bounds__(LinState90<T, D>::kThreads) lin_state_kernel(const __grid_constant__ LinStateArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const LinStateParams& p = args.p;
   using C = LinState90<T, D>;
   using F = LinFeatures<D>;
   using M = Mma<T>;
-  constexpr int kN = F::kDw, kTiles = C::kTiles, kRows = C::kRows, kDp = D + 16;
+  constexpr int kN = F::kDw, kTiles = C::kTiles, kRows = C::kRows, kStages = C::kStages;
   extern __shared__ __align__(16) char smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;
   const int warp = warp_index() % 4, lane = lane_id(), g = lane / 4, tq = lane % 4;
-  const int tiles = F::tiles(p.second), tile0 = blockIdx.x * kTiles;
+  const int tiles = F::tiles(p.second), tile0 = (blockIdx.x * C::kWgs + warp_index() / 4) * kTiles;
   const int b = blockIdx.y / p.Hkv, hkv = blockIdx.y % p.Hkv;
   auto w_tile = [&](int s) { return SwTile{base + s * C::kStage, kRows}; };
-  auto x_tile = [&](int s) { return Tile{base + s * C::kStage + C::kW, C::kXPitch}; };
+  auto x_tile = [&](int s) { return SwTile{base + s * C::kStage + C::kW, kRows}; };
+  auto full = [&](int s) { return base + kStages * C::kStage + 8 * s; };
 
   int ga[kTiles], gb[kTiles];  // this warp's group (a, bb) per tile; bb = -1: none
 #pragma unroll
@@ -102,13 +116,12 @@ __global__ void __launch_bounds__(128) lin_state_kernel(const LinStateParams p) 
   const int steps = (p.causal ? p.chunks - 1 : p.chunks) * per_chunk;
   const int H = p.Hkv * p.heads;
   auto chunk_of = [&](int i) { return p.reverse ? p.chunks - 1 - i : i; };
-  auto load = [&](int i, int s) {
+  auto load = [&](int i, int s) {  // one thread: step i's rows into stage s
     const int c = chunk_of(i / per_chunk), h = hkv * p.heads + (i % per_chunk) / (p.L / kRows);
-    const int64_t row = ((static_cast<int64_t>(b) * p.chunks + c) * H + h) * p.L + (i % (p.L / kRows)) * kRows;
-    const char* x = static_cast<const char*>(p.x) + row * kDp * 2;
-    const char* w = static_cast<const char*>(p.w) + row * kDp * 2;
-    cp_tile<kRows, kDp * 2, 128>(x_tile(s), x, kDp * 2, kRows, x);
-    cp_tile<kRows, kN * 2, 128>(w_tile(s), w, kDp * 2, kRows, w);
+    const int row = ((b * p.chunks + c) * H + h) * p.L + (i % (p.L / kRows)) * kRows;
+    mbar_expect_tx(full(s), C::kStage);
+    tma_load_tile<F::kPanels>(w_tile(s), &args.w, full(s), row, 0, 0);
+    tma_load_tile<C::kXPanels>(x_tile(s), &args.x, full(s), row, 0, 0);
   };
   // The state before chunk i of the walk, as image tiles (rows g, g + 8 of this warp's 16).
   const int n_img = p.causal ? p.chunks : 1;
@@ -135,22 +148,14 @@ __global__ void __launch_bounds__(128) lin_state_kernel(const LinStateParams p) 
       }
       // The panels' columns past w's are zeros (R2 reads them as its K padding).
       constexpr int kPad = (F::kPanels * 64 - kN * 2) / 16;
-      for (int k = threadIdx.x; k < 64 * kPad; k += 128)
+      for (int k = threadIdx.x % 128; k < 64 * kPad; k += 128)
         *reinterpret_cast<uint4*>(img + at.at(k / kPad, kN * 2 + (k % kPad) * 16)) = make_uint4(0, 0, 0, 0);
     }
   };
 
-  if (steps > 0) load(0, 0);
-  cp_async_commit();
-  for (int i = 0; i < steps; ++i) {
-    if (p.causal && i % per_chunk == 0) publish(i / per_chunk);
-    if (i + 1 < steps) load(i + 1, (i + 1) & 1);
-    cp_async_commit();
-    cp_async_wait<1>();
-    fence_proxy_async();
-    __syncthreads();
-    const SwTile wt = w_tile(i & 1);
-    const Tile xt = x_tile(i & 1);
+  // One stage's products: phi(x)^T w over its rows, k-step by k-step.
+  auto products = [&](int i) {
+    const SwTile wt = w_tile(i % kStages), xt = x_tile(i % kStages);
     uint32_t af[2][kTiles][4];
 #pragma unroll
     for (int ks = 0; ks < kRows / 16; ++ks) {
@@ -179,8 +184,23 @@ __global__ void __launch_bounds__(128) lin_state_kernel(const LinStateParams p) 
       wgmma_commit();
       wgmma_wait<1>();
     }
-    wgmma_wait<0>();
-    __syncthreads();  // the stage is read (wgmma done) before the next load overwrites it
+  };
+  // The stage loaded at step i is the one step i - 1 (two stages) or i - 2 (three) read: its products are
+  // done once every warpgroup is past step i's barrier (two stages wait for them first; with three,
+  // wgmma_wait<1> has left only step i - 1's last k-step in flight).
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) mbar_init(full(s), 1);
+    mbar_fence_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && steps > 0) load(0, 0);
+  for (int i = 0; i < steps; ++i) {
+    if (p.causal && i % per_chunk == 0) publish(i / per_chunk);
+    if constexpr (kStages == 2) wgmma_wait<0>();
+    __syncthreads();
+    if (threadIdx.x == 0 && i + 1 < steps) load(i + 1, (i + 1) % kStages);
+    mbar_wait(full(i % kStages), (i / kStages) & 1);
+    products(i);
   }
   if (p.causal) {
     if (p.chunks > 0) publish(p.chunks - 1);
@@ -450,10 +470,20 @@ __global__ void __launch_bounds__(LinRead90<T, D, kR1, kR2>::kThreads, (LinRead9
 template <class T, int D>
 cudaError_t run_lin_state(const LinStateParams& p, cudaStream_t stream) {
   using C = LinState90<T, D>;
-  const int slabs = (LinFeatures<D>::tiles(p.second) + C::kTiles - 1) / C::kTiles;
-  if (p.L % C::kRows != 0 || int64_t{p.B} * p.Hkv > 65535) return cudaErrorInvalidConfiguration;
+  constexpr int kPerCta = C::kTiles * C::kWgs;
+  const int slabs = (LinFeatures<D>::tiles(p.second) + kPerCta - 1) / kPerCta;
+  // The chunk-major rows (D + 16 elements each) of x and of w, each one 2-D tensor for TMA.
+  const int64_t rows = int64_t{p.B} * p.chunks * p.Hkv * p.heads * p.L;
+  if (p.L % C::kRows != 0 || int64_t{p.B} * p.Hkv > 65535 || rows > INT32_MAX) return cudaErrorInvalidConfiguration;
+  LinStateArgs args;
+  args.p = p;
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  const int n = static_cast<int>(rows);
+  if (!make_tensor_map(&args.x, p.x, kBf16, D + 16, n, 1, 1, D + 16, 0, 0, C::kRows) ||
+      !make_tensor_map(&args.w, p.w, kBf16, D + 16, n, 1, 1, D + 16, 0, 0, C::kRows))
+    return cudaErrorNotSupported;
   return launch(lin_state_kernel<T, D>, dim3(slabs, p.B * p.Hkv), int64_t{slabs} * p.B * p.Hkv, C::kThreads,
-                C::kBytes, p, stream);
+                C::kBytes, args, stream);
 }
 
 template <class T, int D, bool kR1, bool kR2>
