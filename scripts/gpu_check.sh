@@ -57,9 +57,13 @@ if step sanitizer; then
   # a tensor's end is outside an allocation.
   case='
 import torch
-from attention_cuda import Tuning, cosine_sim_attention, exp_attention, fastmax_attention
+from attention_cuda import Tuning, cosine_sim_attention, exp_attention, fastmax_attention, rotary_qkv
 torch.manual_seed(0)
 for dt, d in ((torch.bfloat16, 64), (torch.float16, 128), (torch.float32, 32)):
+    qkv = torch.randn(2, 70, (4 + 2 * 2) * d, device="cuda", dtype=dt, requires_grad=True)
+    angles = torch.randn(70, d // 2, device="cuda")
+    rq, rk, rv = rotary_qkv(qkv, angles.cos(), angles.sin(), heads=4, kv_heads=2, backend="cuda")
+    torch.autograd.grad(rq.float().sum() + 2 * rk.float().sum() + 3 * rv.float().sum(), qkv)
     q = torch.randn(2, 4, 70, d, device="cuda", dtype=dt, requires_grad=True)
     k, v = (torch.randn(2, 2, 150, d, device="cuda", dtype=dt, requires_grad=True) for _ in range(2))
     bias = torch.randn(4, 70, 150, device="cuda", dtype=dt, requires_grad=True)
@@ -75,6 +79,8 @@ for dt, d in ((torch.bfloat16, 64), (torch.float16, 128), (torch.float32, 32)):
                      fastmax_attention(q, k, v, mask=mask, temperature=8.0, form="linear", backend="cuda",
                                        tuning=tuning)]
     torch.autograd.grad(sum(o.float().sum() for o in outs), (q, k, v, bias))
+    with torch.no_grad():  # one query row a head, forward only: the decode kernel
+        cosine_sim_attention(q[:, :, :1].detach(), k.detach(), v.detach(), mask=mask, backend="cuda")
 torch.cuda.synchronize()
 print("sanitizer case ran")
 '
