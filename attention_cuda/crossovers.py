@@ -7,7 +7,7 @@ for forward-only calls (fwd) and for training (fwd+bwd).
 
 SOURCES = {
     'sweep': ['bench/results_fastmax-linear.json', 'bench/runs/2026-11-21_s8_fastmax-crossover.json'],
-    'chunked': ['bench/runs/2026-11-22_s18_fastmax.json'],
+    'chunked': ['bench/runs/2026-11-27_s38_fastmax-chunked.json'],
 }
 
 FROM_KEYS = {

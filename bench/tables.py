@@ -230,7 +230,7 @@ def cosine_fp32(src: Sources, link: Link) -> list[str]:
             "fp32 inputs (TF32 on the tensor cores). " + _sources_line(src, link, [FP32])]
 
 
-FASTMAX = "bench/runs/2026-11-22_s18_fastmax.json"
+FASTMAX = "bench/runs/2026-11-27_s38_fastmax-chunked.json"
 FASTMAX_CUDNN = "bench/runs/2026-11-22_s18_fastmax-cudnn.json"
 FASTMAX_SWEEP = "bench/runs/2026-11-22_s14_fastmax-bar.json"
 FASTMAX_LINEAR = "bench/results_fastmax-linear.json"
@@ -276,17 +276,17 @@ def fastmax_full(src: Sources, link: Link) -> list[str]:
 
 
 def fastmax_vs_cudnn(src: Sources, link: Link) -> list[str]:
-    bench = src.bench(FASTMAX_CUDNN)
     rows = []
-    for d in (32, 64):
+    for rel, d in ((FASTMAX_CUDNN, 32), (FASTMAX, 64), (FASTMAX, 128)):
+        bench = src.bench(rel)
         for n in (16384, 32768, 65536):
             ours = bench.ms(impl="ours-linear", **{"pass": "fwd+bwd"}, **_fastmax_case(d, n))
             cudnn = bench.ms(impl="cudnn", **{"pass": "fwd+bwd"}, **_fastmax_case(d, n))
             rows.append([str(d), thousands(n), f(ours, 2), f(cudnn, 2), f(ours / cudnn, 2)])
     return [*table(["d", "N", "fastmax, linear form ms", "cuDNN softmax ms", "ratio"], rows, right={1, 2, 3, 4}),
             "",
-            "b4 h8, causal, bf16, forward+backward; d=64 runs the chunked kernels, d=32 the sweep. "
-            + _sources_line(src, link, [FASTMAX_CUDNN])]
+            "b4 h8, causal, bf16, forward+backward, both in the same run; d=64 and d=128 run the chunked kernels, "
+            "d=32 the sweep. " + _sources_line(src, link, [FASTMAX_CUDNN, FASTMAX])]
 
 
 def fastmax_sweep(src: Sources, link: Link) -> list[str]:
