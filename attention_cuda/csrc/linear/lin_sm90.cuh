@@ -88,7 +88,8 @@ struct LinStateArgs {
 };
 
 template <class T, int D>
-__global__ void __launch_bounds__(LinState90<T, D>::kThreads) lin_state_kernel(const __grid_constant__ LinStateArgs args) {
+__global__ void __launch_bounds__(LinState90<T, D>::kThreads)
+    lin_state_kernel(const __grid_constant__ LinStateArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const LinStateParams& p = args.p;
   using C = LinState90<T, D>;
