@@ -2,10 +2,8 @@
 // the (B, heads, T, D) rows the kernels read; merge takes the attention's gradients back to the projection's
 // layout, rotated back, values copied. Each is one pass over the rows, where the same math in PyTorch ops
 // runs about ten (casts, products, the concatenation, and the same again backward): docs/kernels.md#rope.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include "../common/launch.cuh"
+#include "../common/mma.cuh"
 #include "rope.h"
 
 namespace attn {
@@ -18,18 +16,6 @@ template <class T>
 struct alignas(16) Pack {
   T x[kPairs];
 };
-
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(float x) { return x; }
-template <class T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
 
 // A thread's pairs: position t of batch row b, head slot `head` of the row's heads, pairs pair0 .. +kPairs.
 // The pairs vary fastest, so a warp reads whole rows.
@@ -63,9 +49,9 @@ __device__ __forceinline__ void rotate(const T* x, T* y, int half, const float* 
   Pack<T> y1, y2;
 #pragma unroll
   for (int i = 0; i < kPairs; ++i) {
-    const float a = to_float(x1.x[i]), b = to_float(x2.x[i]), si = sign * s[i];
-    y1.x[i] = from_float<T>(a * c[i] - b * si);
-    y2.x[i] = from_float<T>(a * si + b * c[i]);
+    const float a = Elem<T>::to_float(x1.x[i]), b = Elem<T>::to_float(x2.x[i]), si = sign * s[i];
+    y1.x[i] = Elem<T>::from_float(a * c[i] - b * si);
+    y2.x[i] = Elem<T>::from_float(a * si + b * c[i]);
   }
   *reinterpret_cast<Pack<T>*>(y) = y1;
   *reinterpret_cast<Pack<T>*>(y + half) = y2;
