@@ -17,6 +17,7 @@ power of two, different from rank to rank, so a glue that mixes up scales or dty
 import torch
 
 from attention_cuda import _kernels
+from attention_cuda.reference import apply_rope
 
 OPS = ("lin_rows", "lin_state", "lin_read", "lin_out", "lin_g", "lin_grad", "fwd", "bwd", "decode", "rope_split",
        "rope_merge")
@@ -218,10 +219,8 @@ def decode(q, k, v, mask, scale, qk_norm, splits):
 
 
 def _rotate(x, cos, sin, sign):
-    """Pairs (x_i, x_{i + D/2}) of x (B, H, T, D) rotated by the angles of cos, sin (T, D/2); sign -1 rotates back."""
-    x1, x2 = x.double().chunk(2, dim=-1)
-    c, s = cos.double(), sign * sin.double()
-    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+    """x (B, H, T, D) rotated by RoPE's angles (cos, sin: (T, D/2)) in float64; sign -1 rotates back."""
+    return apply_rope(x.double(), cos.double(), sign * sin.double())
 
 
 def rope_split(qkv, cos, sin, heads, kv_heads):
