@@ -48,20 +48,28 @@ def slice_problems(label, attention, q, k, v, d_out, positions, dtype, same_math
             if (p := rule_violation(g, s[:, :, positions], e[:, :, positions], dtype))]
 
 
-def check_case(rank: int, world: int, family: str, causal: bool, zigzag: bool, kv_heads: int, group=None) -> None:
-    """This rank's slice of the context-parallel result against the same rows of the whole-sequence one;
-    rank and world are the ones of ``group`` (None: the default group)."""
+def check_slice(rank: int, world: int, kv_heads: int, zigzag: bool, reference, attention, label: str,
+                **tolerance) -> None:
+    """This rank's slice of the context-parallel ``attention`` (rank and world: its group's) against the same
+    rows of ``reference`` over the whole sequence, output and gradients; tolerance: assert_close's, else its
+    default for float64."""
     gen = torch.Generator().manual_seed(0)  # every rank draws the same whole sequence
     q, d_out = (torch.randn(B, H, T, D, dtype=torch.float64, generator=gen) for _ in range(2))
     k, v = (torch.randn(B, kv_heads, T, D, dtype=torch.float64, generator=gen) for _ in range(2))
-    expected = output_and_grads(functools.partial(REFERENCES[family], causal=causal), (q, k, v), d_out)
+    expected = output_and_grads(reference, (q, k, v), d_out)
 
     _, positions = shard_sequence(torch.zeros(1, T), rank, world, zigzag=zigzag)
-    attention = functools.partial(PARALLEL[family], group=group, causal=causal, zigzag=zigzag)
     got = output_and_grads(attention, [x[:, :, positions] for x in (q, k, v)], d_out[:, :, positions])
-    case = f"{family} rank {rank}/{world} causal={causal} zigzag={zigzag} kv_heads={kv_heads}"
     for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
-        torch.testing.assert_close(g, e[:, :, positions], msg=lambda m: f"{case}: {name}: {m}")
+        torch.testing.assert_close(g, e[:, :, positions], **tolerance, msg=lambda m: f"{label}: {name}: {m}")
+
+
+def check_case(rank: int, world: int, family: str, causal: bool, zigzag: bool, kv_heads: int, group=None) -> None:
+    """This rank's slice of the context-parallel result against the same rows of the whole-sequence one;
+    rank and world are the ones of ``group`` (None: the default group)."""
+    check_slice(rank, world, kv_heads, zigzag, functools.partial(REFERENCES[family], causal=causal),
+                functools.partial(PARALLEL[family], group=group, causal=causal, zigzag=zigzag),
+                f"{family} rank {rank}/{world} causal={causal} zigzag={zigzag} kv_heads={kv_heads}")
 
 
 def run_cases(rank: int, world: int, family: str) -> None:
@@ -116,18 +124,9 @@ RING_TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 def check_softmax_case(rank: int, world: int, kv_heads: int, group=None) -> None:
     """This rank's slice of softmax across the ranks against the same rows of the whole-sequence SDPA;
     rank and world are the ones of ``group`` (None: the default group)."""
-    gen = torch.Generator().manual_seed(0)  # every rank draws the same whole sequence
-    q, d_out = (torch.randn(B, H, T, D, dtype=torch.float64, generator=gen) for _ in range(2))
-    k, v = (torch.randn(B, kv_heads, T, D, dtype=torch.float64, generator=gen) for _ in range(2))
-    expected = output_and_grads(causal_sdpa, (q, k, v), d_out)
-
-    _, positions = shard_sequence(torch.zeros(1, T), rank, world, zigzag=True)
     mesh = softmax_mesh(dist.group.WORLD if group is None else group, torch.device("cpu"))
-    attention = functools.partial(softmax_context_parallel, mesh=mesh)
-    got = output_and_grads(attention, [x[:, :, positions] for x in (q, k, v)], d_out[:, :, positions])
-    case = f"softmax rank {rank}/{world} kv_heads={kv_heads}"
-    for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
-        torch.testing.assert_close(g, e[:, :, positions], **RING_TOLERANCE, msg=lambda m: f"{case}: {name}: {m}")
+    check_slice(rank, world, kv_heads, True, causal_sdpa, functools.partial(softmax_context_parallel, mesh=mesh),
+                f"softmax rank {rank}/{world} kv_heads={kv_heads}", **RING_TOLERANCE)
 
 
 def run_softmax_cases(rank: int, world: int) -> None:
