@@ -15,6 +15,8 @@
 // loop bodies, one per warpgroup, miss the instruction cache where one shared body does not
 // (bench/notes/run-24.md).)
 #pragma once
+#include <cstdlib>
+
 #include "../common/wgmma.cuh"
 #include "bwd_sm80.cuh"
 
@@ -326,11 +328,223 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
 #endif
 }
 
+// EXPERIMENT (issue 37, ATTN_BWD_WS=1 at d64): the backward in the shape cuDNN's has (bench/notes/run-37.md).
+// Three warpgroups: a producer (one thread) streams K/V once and each step's Q, dO and row vectors by TMA
+// through kStages mbarrier stages; two consumers of 64 keys each compute S^T, dP^T, P^T, dS~^T, dV and dK
+// as the kernel above does, with no block barrier. A step's whole dQ (N = D, one read of dS~) is computed
+// by one consumer, the two taking turns by step; it stages dQ in shared memory and adds it to dq_accum's
+// tiles (dq_tile_slot) with one bulk reduce. dS~^T tiles alternate by step; named barriers hand them over:
+// ds_full (the other consumer's half is in) and ds_empty (the last dQ that read the buffer is done).
+template <class T, int D>
+struct Sm90BwdWs {
+  static constexpr int kCols = 128, kRows = 64, kStages = 3, kThreads = 384;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static constexpr int kTileK = kCols * D * sizeof(T), kTileQ = kRows * D * sizeof(T);
+  static constexpr int kTileS = kCols * kRows * sizeof(T), kTileDQ = kRows * D * 4, kVecBytes = 3 * kRows * 4;
+  // K | V | kStages x Q | kStages x dO | 2 x dS~^T | 2 x dQ staging | kStages x vectors | mbarriers.
+  static constexpr int kK = 0, kV = kTileK, kQ = 2 * kTileK, kDO = kQ + kStages * kTileQ;
+  static constexpr int kDS = kDO + kStages * kTileQ, kDQS = kDS + 2 * kTileS, kVec = kDQS + 2 * kTileDQ;
+  static constexpr int kBar = kVec + kStages * kVecBytes, kBytes = kBar + 8 * (1 + 2 * kStages) + 1024;
+  static_assert(kRows == kDqTileRows, "dQ's tiles (dq_tile_slot) are one step of queries");
+  static_assert(kBytes <= 227 * 1024, "shared memory");
+};
+struct Sm90BwdWsArgs {
+  CUtensorMap q, dout, k, v;
+  Params p;
+};
+
+template <class T, int D, class Policy>
+__global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
+    bwd_sm90_ws_kernel(const __grid_constant__ Sm90BwdWsArgs args) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = Sm90BwdWs<T, D>;
+  using M = Mma<T>;
+  const Params& p = args.p;
+  constexpr int kBc = C::kCols, kBr = C::kRows, kStages = C::kStages, kPanels = D / 32;
+  constexpr int kKD = D / 16, kNQ = kBr / 8, kND = D / 8;
+  constexpr int kDsFull = 1, kDsEmpty = 3, kStaged = 5;  // named barriers, + buffer or warpgroup
+  extern __shared__ __align__(1024) char smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw), s0 = (raw + 1023) & ~1023u;
+  const SwTile sK{s0 + C::kK, kBc}, sV{s0 + C::kV, kBc};
+  auto q_tile = [&](int st) { return SwTile{s0 + C::kQ + st * C::kTileQ, kBr}; };
+  auto do_tile = [&](int st) { return SwTile{s0 + C::kDO + st * C::kTileQ, kBr}; };
+  auto ds_tile = [&](int buf) { return SwTile{s0 + C::kDS + buf * C::kTileS, kBc}; };
+  const uint32_t kv_full = s0 + C::kBar;
+  auto q_full = [&](int st) { return kv_full + 8 * (1 + st); };
+  auto q_empty = [&](int st) { return kv_full + 8 * (1 + kStages + st); };
+
+  using Walk = BwdWalk<T, D, kBc, kBr, 256>;
+  using Pos = typename Walk::Pos;
+  const Walk walk(p);
+  const int bhk = walk.bhk, n0 = walk.n0, b = walk.b, hk = walk.hk, steps = walk.steps;
+  const int warp = warp_index(), wg = warp / 4;
+  {  // the vectors' entries past i_pad are never loaded: finite there, rows past the end weigh 0
+    float* const vec0 = reinterpret_cast<float*>(smem_raw + (s0 - raw) + C::kVec);
+    for (int i = threadIdx.x; i < kStages * 3 * kBr; i += C::kThreads) vec0[i] = 0.f;
+  }
+  if (threadIdx.x == 0) {
+    mbar_init(kv_full, 1);
+    for (int st = 0; st < kStages; ++st) {
+      mbar_init(q_full(st), 1);
+      mbar_init(q_empty(st), 8);  // one arrival per consumer warp
+    }
+    mbar_fence_init();
+  }
+  fence_proxy_async();
+  __syncthreads();
+
+  if (wg == 2) {  // the producer
+    setmaxnreg_dec<C::kProducerRegs>();
+    if (threadIdx.x == 256) {
+      mbar_expect_tx(kv_full, 2 * C::kTileK);
+      tma_load_tile<kPanels>(sK, &args.k, kv_full, n0, hk, b);
+      tma_load_tile<kPanels>(sV, &args.v, kv_full, n0, hk, b);
+      Pos at = walk.first();
+      for (int step = 0; step < steps; ++step) {
+        const int st = step % kStages;
+        if (step >= kStages) mbar_wait(q_empty(st), (step / kStages - 1) & 1);
+        const uint32_t bar = q_full(st), vec = s0 + C::kVec + st * C::kVecBytes;
+        const int64_t row = static_cast<int64_t>(b * p.H + at.h) * p.i_pad + at.m0;
+        const int vec_bytes = min(kBr, p.i_pad - at.m0) * 4;
+        mbar_expect_tx(bar, 2 * C::kTileQ + (p.rq ? 3 : 2) * vec_bytes);
+        tma_load_tile<kPanels>(q_tile(st), &args.q, bar, at.m0, at.h, b);
+        tma_load_tile<kPanels>(do_tile(st), &args.dout, bar, at.m0, at.h, b);
+        bulk_load(vec, p.stat + row, vec_bytes, bar);
+        bulk_load(vec + kBr * 4, p.delta + row, vec_bytes, bar);
+        if (p.rq) bulk_load(vec + 2 * kBr * 4, p.rq + row, vec_bytes, bar);
+        at = walk.next(at);
+      }
+    }
+    return;
+  }
+  setmaxnreg_inc<C::kConsumerRegs>();
+
+  const int g = threadIdx.x % 32 / 4, wkey = warp * 16;
+  const uint8_t* mask = walk.mask();
+  const KeyRows keys(p, b, hk, mask, n0 + wkey + g);
+  const float* s_vec = reinterpret_cast<const float*>(smem_raw + (s0 - raw) + C::kVec);
+  const bool elected = threadIdx.x % 128 == 0;
+  const uint32_t s_dq = s0 + C::kDQS + wg * C::kTileDQ + threadIdx.x % 128 * 16;
+  const Policy pol(p.score);
+  float dk[kND][4] = {}, dv[kND][4] = {};
+  mbar_wait(kv_full, 0);
+  Pos cur = walk.first();
+  for (int step = 0; step < steps; ++step) {
+    const int st = step % kStages, buf = step & 1, h = cur.h, m0 = cur.m0;
+    const bool mine = wg == buf;  // this warpgroup computes the step's dQ
+    mbar_wait(q_full(st), (step / kStages) & 1);
+    float sc[kNQ][4], dp[kNQ][4];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kKD; ++kk)
+      wgmma_ss<0, 0>(sc, desc_k(sK, 64 * wg, kk * 16, sizeof(T)), desc_k(q_tile(st), 0, kk * 16, sizeof(T)), kk > 0,
+                     T{});
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < kKD; ++kk)
+      wgmma_ss<0, 0>(dp, desc_k(sV, 64 * wg, kk * 16, sizeof(T)), desc_k(do_tile(st), 0, kk * 16, sizeof(T)), kk > 0,
+                     T{});
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(sc);
+    fence_acc(dp);
+
+    constexpr int kHalf = kNQ / 2;
+    uint32_t pa[kNQ / 2][M::kA], da[kNQ / 2][M::kA];
+#pragma unroll
+    for (int hq = 0; hq < 2; ++hq) {
+      const float* vec = s_vec + st * 3 * kBr + hq * kBr / 2;
+      bwd_scores<T, D, kBc, kBr / 2>(p, pol, *reinterpret_cast<float(*)[kHalf][4]>(sc[hq * kHalf]),
+                                     *reinterpret_cast<float(*)[kHalf][4]>(dp[hq * kHalf]), vec, vec + kBr,
+                                     vec + 2 * kBr, keys, b, h, n0, m0 + hq * kBr / 2, n0 + wkey + g, mask);
+#pragma unroll
+      for (int kq = hq * kHalf / 2; kq < (hq + 1) * kHalf / 2; ++kq) {
+        M::c_to_a(pa[kq], sc[2 * kq], sc[2 * kq + 1]);
+        M::c_to_a(da[kq], dp[2 * kq], dp[2 * kq + 1]);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int kq = hq * kHalf / 2; kq < (hq + 1) * kHalf / 2; ++kq) {
+        wgmma_rs<1>(dv, pa[kq], desc_mn(do_tile(st), kq * 16, 0), 1, T{});
+        wgmma_rs<1>(dk, da[kq], desc_mn(q_tile(st), kq * 16, 0), 1, T{});
+      }
+      wgmma_commit();
+    }
+    // dS~^T into this step's buffer, once the dQ that last read it (step - 2's, by the other
+    // warpgroup unless this one) is done; then the step's dQ by its warpgroup.
+    if (!mine && step >= 2) named_sync(kDsEmpty + buf, 256);
+    store_ds_sm90<T>(ds_tile(buf), da, wkey);
+    fence_proxy_async();
+    float dqa[kND][4];
+    if (mine) {
+      named_sync(kDsFull + buf, 256);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBc / 16; ++kk)
+        wgmma_ss<1, 1>(dqa, desc_mn(ds_tile(buf), kk * 16, 0), desc_mn(sK, kk * 16, 0), kk > 0, T{});
+      wgmma_commit();
+    } else {
+      named_arrive(kDsFull + buf, 256);
+    }
+    wgmma_wait<0>();
+    fence_acc(dk);
+    fence_acc(dv);
+    __syncwarp();
+    if (lane_id() == 0) mbar_arrive(q_empty(st));
+    if (mine) {
+      fence_acc(dqa);
+      if (step + 2 < steps) named_arrive(kDsEmpty + buf, 256);
+      if (elected) bulk_wait_read<0>();  // this warpgroup's last reduce has read the staging tile
+      named_sync(kStaged + wg, 128);
+#pragma unroll
+      for (int n = 0; n < kND; ++n) sts128(s_dq + n * 128 * 16, dqa[n][0], dqa[n][1], dqa[n][2], dqa[n][3]);
+      fence_proxy_async();
+      named_sync(kStaged + wg, 128);
+      if (elected) {
+        float* dst = p.dq_accum + (static_cast<int64_t>(b * p.H + h) * dq_tiled_rows(p.I) + m0) * D;
+        bulk_reduce_add(dst, s0 + C::kDQS + wg * C::kTileDQ, C::kTileDQ);
+        bulk_commit();
+      }
+    }
+    cur = walk.next(cur);
+  }
+  if (elected) bulk_wait<0>();
+  bwd_store_dkdv<T, D>(p, dk, dv, sK, wkey + g, keys, bhk, n0);
+#endif
+}
+
+// One CTA per (key tile, batch, kv head); false where TMA cannot describe the tensors.
+template <class T, int D>
+bool run_bwd_ws(const Params& p, Score score, cudaStream_t stream, cudaError_t* err) {
+  using C = Sm90BwdWs<T, D>;
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  Sm90BwdWsArgs args;
+  args.p = p;
+  if (!make_tensor_map(&args.q, p.q, kBf16, D, p.I, p.H, p.B, p.q_si, p.q_sh, p.q_sb, C::kRows) ||
+      !make_tensor_map(&args.dout, p.dout, kBf16, D, p.I, p.H, p.B, D, static_cast<int64_t>(p.I) * D,
+                       static_cast<int64_t>(p.H) * p.I * D, C::kRows) ||
+      !make_tensor_map(&args.k, p.k, kBf16, D, p.J, p.Hkv, p.B, p.k_sj, p.k_sh, p.k_sb, C::kCols) ||
+      !make_tensor_map(&args.v, p.v, kBf16, D, p.J, p.Hkv, p.B, p.v_sj, p.v_sh, p.v_sb, C::kCols))
+    return false;
+  const int64_t blocks = static_cast<int64_t>(cdiv(p.J, C::kCols)) * p.B * p.Hkv;
+  *err = with_policy(score, [&](auto policy) {
+    const cudaError_t e = launch(bwd_sm90_ws_kernel<T, D, typename decltype(policy)::type>, blocks, C::kThreads,
+                                 C::kBytes, args, stream);
+    return e != cudaSuccess ? e : run_dq_finalize(dtype_of<T>(), p, D, true, stream);
+  });
+  return true;
+}
+
 // One CTA per (key tile, batch, kv head).
 template <class T, int D>
 cudaError_t Sm90Bwd<T, D>::run(const Params& p, Score score, cudaStream_t stream) {
   using C = Sm90Bwd<T, D>;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  if constexpr (D == 64) {  // EXPERIMENT
+    const char* e = std::getenv("ATTN_BWD_WS");
+    cudaError_t err = cudaSuccess;
+    if (e != nullptr && e[0] == '1' && run_bwd_ws<T, D>(p, score, stream, &err)) return err;
+  }
   Sm90BwdParam<T, D> args;
   if constexpr (C::kTma) {
     args.p = p;

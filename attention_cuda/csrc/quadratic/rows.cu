@@ -271,11 +271,13 @@ int64_t dq_accum_size(int B, int H, int I, int D) {
 
 cudaError_t run_dq_finalize(Dtype dtype, const Params& p, int D, bool tiles, cudaStream_t stream) {
   if (p.B * p.H == 0 || p.I == 0) return cudaSuccess;
-  if (tiles && D != 128) return cudaErrorInvalidValue;  // the tiles are the d128 Hopper backward's
+  if (tiles && D != 128 && D != 64) return cudaErrorInvalidValue;  // the Hopper backward's head dims
   return by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     if (tiles) {
-      dq_finalize_tiles_kernel<T, 128><<<p.B * p.H * (dq_tiled_rows(p.I) / kDqTileRows), kWarps * 32, 0, stream>>>(p);
+      const int blocks = p.B * p.H * (dq_tiled_rows(p.I) / kDqTileRows);
+      if (D == 64) dq_finalize_tiles_kernel<T, 64><<<blocks, kWarps * 32, 0, stream>>>(p);
+      else dq_finalize_tiles_kernel<T, 128><<<blocks, kWarps * 32, 0, stream>>>(p);
       return cudaGetLastError();
     }
     return with_row_lanes(D, [&](auto lanes) {
