@@ -353,7 +353,9 @@ struct Sm90BwdWsArgs {
   Params p;
 };
 
-template <class T, int D, class Policy>
+// EXPERIMENT kVar bits: 1 = a proxy fence before each stage's release; 2 = P^T while dP^T is in flight
+// (cuDNN's order within a consumer); 4 = warpgroup 1 issues a step's S^T and dP^T after warpgroup 0 has.
+template <class T, int D, class Policy, int kVar>
 __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
     bwd_sm90_ws_kernel(const __grid_constant__ Sm90BwdWsArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -362,7 +364,8 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
   const Params& p = args.p;
   constexpr int kBc = C::kCols, kBr = C::kRows, kStages = C::kStages, kPanels = D / 32;
   constexpr int kKD = D / 16, kNQ = kBr / 8, kND = D / 8;
-  constexpr int kDsFull = 1, kDsEmpty = 3, kStaged = 5;  // named barriers, + buffer or warpgroup
+  constexpr int kDsFull = 1, kDsEmpty = 3, kStaged = 5, kTurn = 7;  // named barriers, + buffer or warpgroup
+  constexpr bool kFence = kVar & 1, kSplit = (kVar & 2) && Policy::kZeroAtHidden, kTurns = kVar & 4;
   extern __shared__ __align__(1024) char smem_raw[];
   const uint32_t raw = smem_u32(smem_raw), s0 = (raw + 1023) & ~1023u;
   const SwTile sK{s0 + C::kK, kBc}, sV{s0 + C::kV, kBc};
@@ -434,6 +437,7 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
     const bool mine = wg == buf;  // this warpgroup computes the step's dQ
     mbar_wait(q_full(st), (step / kStages) & 1);
     float sc[kNQ][4], dp[kNQ][4];
+    if (kTurns && wg == 1) named_sync(kTurn + buf, 256);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kKD; ++kk)
@@ -445,18 +449,32 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
       wgmma_ss<0, 0>(dp, desc_k(sV, 64 * wg, kk * 16, sizeof(T)), desc_k(do_tile(st), 0, kk * 16, sizeof(T)), kk > 0,
                      T{});
     wgmma_commit();
+    if (kTurns && wg == 0) named_arrive(kTurn + buf, 256);
+    constexpr int kHalf = kNQ / 2;
+    if constexpr (kSplit) {
+      wgmma_wait<1>();
+      fence_acc(sc);
+#pragma unroll
+      for (int hq = 0; hq < 2; ++hq) {
+        const float* vec = s_vec + st * 3 * kBr + hq * kBr / 2;
+        bwd_scores<T, D, kBc, kBr / 2>(p, pol, *reinterpret_cast<float(*)[kHalf][4]>(sc[hq * kHalf]),
+                                       *reinterpret_cast<float(*)[kHalf][4]>(dp[hq * kHalf]), vec, vec + kBr,
+                                       vec + 2 * kBr, keys, b, h, n0, m0 + hq * kBr / 2, n0 + wkey + g, mask,
+                                       NoHook{}, std::integral_constant<int, 1>{});
+      }
+    }
     wgmma_wait<0>();
     fence_acc(sc);
     fence_acc(dp);
 
-    constexpr int kHalf = kNQ / 2;
     uint32_t pa[kNQ / 2][M::kA], da[kNQ / 2][M::kA];
 #pragma unroll
     for (int hq = 0; hq < 2; ++hq) {
       const float* vec = s_vec + st * 3 * kBr + hq * kBr / 2;
       bwd_scores<T, D, kBc, kBr / 2>(p, pol, *reinterpret_cast<float(*)[kHalf][4]>(sc[hq * kHalf]),
                                      *reinterpret_cast<float(*)[kHalf][4]>(dp[hq * kHalf]), vec, vec + kBr,
-                                     vec + 2 * kBr, keys, b, h, n0, m0 + hq * kBr / 2, n0 + wkey + g, mask);
+                                     vec + 2 * kBr, keys, b, h, n0, m0 + hq * kBr / 2, n0 + wkey + g, mask,
+                                     NoHook{}, std::integral_constant<int, kSplit ? 2 : 3>{});
 #pragma unroll
       for (int kq = hq * kHalf / 2; kq < (hq + 1) * kHalf / 2; ++kq) {
         M::c_to_a(pa[kq], sc[2 * kq], sc[2 * kq + 1]);
@@ -489,6 +507,7 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
     wgmma_wait<0>();
     fence_acc(dk);
     fence_acc(dv);
+    if (kFence) fence_proxy_async();
     __syncwarp();
     if (lane_id() == 0) mbar_arrive(q_empty(st));
     if (mine) {
@@ -515,7 +534,7 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
 
 // One CTA per (key tile, batch, kv head); false where TMA cannot describe the tensors.
 template <class T, int D>
-bool run_bwd_ws(const Params& p, Score score, cudaStream_t stream, cudaError_t* err) {
+bool run_bwd_ws(const Params& p, Score score, cudaStream_t stream, cudaError_t* err, int var) {
   using C = Sm90BwdWs<T, D>;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   Sm90BwdWsArgs args;
@@ -528,8 +547,13 @@ bool run_bwd_ws(const Params& p, Score score, cudaStream_t stream, cudaError_t* 
     return false;
   const int64_t blocks = static_cast<int64_t>(cdiv(p.J, C::kCols)) * p.B * p.Hkv;
   *err = with_policy(score, [&](auto policy) {
-    const cudaError_t e = launch(bwd_sm90_ws_kernel<T, D, typename decltype(policy)::type>, blocks, C::kThreads,
-                                 C::kBytes, args, stream);
+    using P = typename decltype(policy)::type;
+    auto go = [&](auto kernel) { return launch(kernel, blocks, C::kThreads, C::kBytes, args, stream); };
+    const cudaError_t e = var == 3   ? go(bwd_sm90_ws_kernel<T, D, P, 3>)
+                          : var == 5 ? go(bwd_sm90_ws_kernel<T, D, P, 5>)
+                          : var == 7 ? go(bwd_sm90_ws_kernel<T, D, P, 7>)
+                          : var == 8 ? go(bwd_sm90_ws_kernel<T, D, P, 0>)
+                                     : go(bwd_sm90_ws_kernel<T, D, P, 1>);
     return e != cudaSuccess ? e : run_dq_finalize(dtype_of<T>(), p, D, true, stream);
   });
   return true;
@@ -543,7 +567,7 @@ cudaError_t Sm90Bwd<T, D>::run(const Params& p, Score score, cudaStream_t stream
   if constexpr (D == 64) {  // EXPERIMENT
     const char* e = std::getenv("ATTN_BWD_WS");
     cudaError_t err = cudaSuccess;
-    if (e != nullptr && e[0] == '1' && run_bwd_ws<T, D>(p, score, stream, &err)) return err;
+    if (e != nullptr && e[0] != '0' && run_bwd_ws<T, D>(p, score, stream, &err, std::atoi(e))) return err;
   }
   Sm90BwdParam<T, D> args;
   if constexpr (C::kTma) {
