@@ -110,6 +110,10 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x on the SFU; ex2(-inf) = 
   return y;
 }
 
+// fp32 atomics of four neighbouring floats, 16-byte aligned (sm_90).
+__device__ __forceinline__ void red_add4(float* p, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
 // fp32 atomics of two neighbouring floats (one vector reduction on sm_90).
 __device__ __forceinline__ void red_add2(float* p, float a, float b) {
 #if __CUDA_ARCH__ >= 900

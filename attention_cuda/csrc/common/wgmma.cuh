@@ -158,6 +158,10 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, int bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
+// Adds `bytes` to the transactions the current phase waits for, without arriving.
+__device__ __forceinline__ void mbar_add_tx(uint32_t bar, int bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
 // Blocks until the phase with this parity has completed.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
   uint32_t done = 0;

@@ -366,6 +366,7 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
   constexpr int kKD = D / 16, kNQ = kBr / 8, kND = D / 8;
   constexpr int kDsFull = 1, kDsEmpty = 3, kStaged = 5, kTurn = 7;  // named barriers, + buffer or warpgroup
   constexpr bool kFence = kVar & 1, kSplit = (kVar & 2) && Policy::kZeroAtHidden, kTurns = kVar & 4;
+  constexpr bool kRedDQ = kVar & 16;  // EXPERIMENT: dQ by 16-byte atomics into the tiles, no staging
   extern __shared__ __align__(1024) char smem_raw[];
   const uint32_t raw = smem_u32(smem_raw), s0 = (raw + 1023) & ~1023u;
   const SwTile sK{s0 + C::kK, kBc}, sV{s0 + C::kV, kBc};
@@ -381,40 +382,51 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
   const Walk walk(p);
   const int bhk = walk.bhk, n0 = walk.n0, b = walk.b, hk = walk.hk, steps = walk.steps;
   const int warp = warp_index(), wg = warp / 4;
-  {  // the vectors' entries past i_pad are never loaded: finite there, rows past the end weigh 0
-    float* const vec0 = reinterpret_cast<float*>(smem_raw + (s0 - raw) + C::kVec);
-    for (int i = threadIdx.x; i < kStages * 3 * kBr; i += C::kThreads) vec0[i] = 0.f;
-  }
   if (threadIdx.x == 0) {
     mbar_init(kv_full, 1);
     for (int st = 0; st < kStages; ++st) {
-      mbar_init(q_full(st), 1);
+      mbar_init(q_full(st), 32);  // the producer warp's lanes, after their vectors (and the tiles' bytes)
       mbar_init(q_empty(st), 8);  // one arrival per consumer warp
     }
     mbar_fence_init();
   }
-  fence_proxy_async();
   __syncthreads();
 
-  if (wg == 2) {  // the producer
+  if (wg == 2) {  // the producer: one warp
     setmaxnreg_dec<C::kProducerRegs>();
-    if (threadIdx.x == 256) {
-      mbar_expect_tx(kv_full, 2 * C::kTileK);
-      tma_load_tile<kPanels>(sK, &args.k, kv_full, n0, hk, b);
-      tma_load_tile<kPanels>(sV, &args.v, kv_full, n0, hk, b);
+    if (warp == 8) {
+      const int lane = lane_id();
+      if (lane == 0) {
+        mbar_expect_tx(kv_full, 2 * C::kTileK);
+        tma_load_tile<kPanels>(sK, &args.k, kv_full, n0, hk, b);
+        tma_load_tile<kPanels>(sV, &args.v, kv_full, n0, hk, b);
+      }
+      // The row vectors go through the lanes' own loads and stores, not a bulk copy: the consumers read
+      // them with ordinary loads, and the stage's mbarriers then order every access within one proxy
+      // (compute-sanitizer's racecheck flagged the bulk copy's writes against them).
+      auto copy_vec = [&](const float* src, uint32_t dst, int n) {  // kBr floats, 16 lanes x 4; 0 from n on
+        if (lane < 16) {
+          float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (4 * lane < n) x = *reinterpret_cast<const float4*>(src + 4 * lane);
+          sts128(dst + 16 * lane, x.x, x.y, x.z, x.w);
+        }
+      };
       Pos at = walk.first();
       for (int step = 0; step < steps; ++step) {
         const int st = step % kStages;
         if (step >= kStages) mbar_wait(q_empty(st), (step / kStages - 1) & 1);
         const uint32_t bar = q_full(st), vec = s0 + C::kVec + st * C::kVecBytes;
         const int64_t row = static_cast<int64_t>(b * p.H + at.h) * p.i_pad + at.m0;
-        const int vec_bytes = min(kBr, p.i_pad - at.m0) * 4;
-        mbar_expect_tx(bar, 2 * C::kTileQ + (p.rq ? 3 : 2) * vec_bytes);
-        tma_load_tile<kPanels>(q_tile(st), &args.q, bar, at.m0, at.h, b);
-        tma_load_tile<kPanels>(do_tile(st), &args.dout, bar, at.m0, at.h, b);
-        bulk_load(vec, p.stat + row, vec_bytes, bar);
-        bulk_load(vec + kBr * 4, p.delta + row, vec_bytes, bar);
-        if (p.rq) bulk_load(vec + 2 * kBr * 4, p.rq + row, vec_bytes, bar);
+        const int n = p.i_pad - at.m0;  // a multiple of 4: i_pad is
+        if (lane == 0) {
+          mbar_add_tx(bar, 2 * C::kTileQ);
+          tma_load_tile<kPanels>(q_tile(st), &args.q, bar, at.m0, at.h, b);
+          tma_load_tile<kPanels>(do_tile(st), &args.dout, bar, at.m0, at.h, b);
+        }
+        copy_vec(p.stat + row, vec, n);
+        copy_vec(p.delta + row, vec + kBr * 4, n);
+        if (p.rq) copy_vec(p.rq + row, vec + 2 * kBr * 4, n);
+        mbar_arrive(bar);
         at = walk.next(at);
       }
     }
@@ -513,6 +525,14 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
     if (mine) {
       fence_acc(dqa);
       if (step + 2 < steps) named_arrive(kDsEmpty + buf, 256);
+      if constexpr (kRedDQ) {
+        float* dst = p.dq_accum + (static_cast<int64_t>(b * p.H + h) * dq_tiled_rows(p.I) + m0) * D;
+#pragma unroll
+        for (int n = 0; n < kND; ++n)
+          red_add4(dst + (n * 128 + threadIdx.x % 128) * 4, dqa[n][0], dqa[n][1], dqa[n][2], dqa[n][3]);
+        cur = walk.next(cur);
+        continue;
+      }
       if (elected) bulk_wait_read<0>();  // this warpgroup's last reduce has read the staging tile
       named_sync(kStaged + wg, 128);
 #pragma unroll
@@ -553,6 +573,7 @@ bool run_bwd_ws(const Params& p, Score score, cudaStream_t stream, cudaError_t* 
                           : var == 5 ? go(bwd_sm90_ws_kernel<T, D, P, 5>)
                           : var == 7 ? go(bwd_sm90_ws_kernel<T, D, P, 7>)
                           : var == 8 ? go(bwd_sm90_ws_kernel<T, D, P, 0>)
+                          : var == 16 ? go(bwd_sm90_ws_kernel<T, D, P, 16>)
                                      : go(bwd_sm90_ws_kernel<T, D, P, 1>);
     return e != cudaSuccess ? e : run_dq_finalize(dtype_of<T>(), p, D, true, stream);
   });
