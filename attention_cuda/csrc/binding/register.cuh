@@ -3,7 +3,7 @@
 // (setup.py: ATTN_DTYPES, ATTN_HEADDIMS) and the pairs compile in parallel.
 #pragma once
 #include "../linear/lin_sm90.cuh"
-#include "../quadratic/bwd_sm90.cuh"
+#include "../quadratic/bwd_ws_sm90.cuh"
 #include "../quadratic/fwd_sm90.cuh"
 #include "registry.h"
 
@@ -20,12 +20,16 @@ cudaError_t run_on_device(const Params& p, Score score, cudaStream_t stream) {
   return kPortable(p, score, stream);
 }
 
+// The Hopper backward of (T, D): warp-specialised or with two warpgroups (quadratic/tiles.h says why).
+template <class T, int D>
+using Sm90BwdOf = std::conditional_t<Tiles<T, D>::kRow.sm90_bwd_ws, Sm90BwdWs<T, D>, Sm90Bwd<T, D>>;
+
 // What (T, D) registers: the forward and backward for the current device; where build.py gives the
 // dtype the linear form (kLinear), its sweep, and its chunked kernels where they are built: sm_90a, the
 // head dims whose w = [v, 1] width (D + 8) has a wgmma instance (common/wgmma.cuh).
 template <class T, int D, bool kLinear>
 Kernels kernels_of() {
-  Kernels k{&run_on_device<Sm90Fwd<T, D>, &run_fwd<T, D>>, &run_on_device<Sm90Bwd<T, D>, &run_bwd<T, D>>, nullptr,
+  Kernels k{&run_on_device<Sm90Fwd<T, D>, &run_fwd<T, D>>, &run_on_device<Sm90BwdOf<T, D>, &run_bwd<T, D>>, nullptr,
             nullptr, nullptr};
   if constexpr (kLinear) {
     static_assert(sizeof(T) == 2, "the linear form's kernels run in fp16 and bf16");

@@ -9,8 +9,6 @@
 // One barrier per step: the next Q/dO tile loads while this one is used, and the dQ product of a step
 // runs during the next one, from a second dS buffer.
 #pragma once
-#include <type_traits>
-
 #include "block.cuh"
 
 namespace attn {
@@ -47,16 +45,12 @@ struct KeyRows {
 struct NoHook {
   __device__ void operator()(int) const {}
 };
-template <class T, int D, int kBc, int kBr, class Policy, class Hook = NoHook, int kPhase = 3>
+template <class T, int D, int kBc, int kBr, class Policy, class Hook = NoHook>
 __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, float (&sc)[kBr / 8][4],
                                            float (&dp)[kBr / 8][4], const float* v_stat, const float* v_delta,
                                            const float* v_rq, const KeyRows& keys, int b, int h, int n0, int m0,
-                                           int key0, const uint8_t* mask, const Hook& after_tile = Hook{},
-                                           std::integral_constant<int, kPhase> = {}) {
+                                           int key0, const uint8_t* mask, const Hook& after_tile = Hook{}) {
   constexpr int kNQ = kBr / 8;
-  // EXPERIMENT kPhase: 1 = P^T into sc only, 2 = dS~^T from the P^T in sc only, 3 = both.
-  constexpr bool kW = kPhase & 1, kDl = kPhase & 2;
-  static_assert(kPhase == 3 || Policy::kZeroAtHidden, "phases apart: dlogit from P alone, no hidden pairs to mark");
   const int tq = lane_id() % 4;
   // Logits y with hidden pairs at -inf (the forward's visibility rules), then P and dL/dx per
   // element. With the qk norm the keys are the forward's unit rows k/|k| (attn_fwd), so dS~ = dL/dx *
@@ -81,86 +75,72 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
   const bool edge = n0 + kBc > p.J || m0 + kBr > p.I || mask != nullptr || (p.causal && n0 + kBc - 1 > m0 + p.J - p.I);
   const T* bias = p.bias ? static_cast<const T*>(p.bias) + b * p.bias_sb + h * p.bias_sh : nullptr;
   constexpr bool kOffset = Policy::kBwdOffset;
-  uint32_t hidden = 0;
-  if constexpr (kW) {
-    const float fused_offset = kOffset && !edge && !bias ? Policy::bwd_offset(p.score) : 0.f;
+  const float fused_offset = kOffset && !edge && !bias ? Policy::bwd_offset(p.score) : 0.f;
+  each_score([&](int nq, int e) {
+    if constexpr (kOffset) sc[nq][e] = fmaf(sc[nq][e], scale_of(nq, e), -fused_offset);  // exactly s * r unfused
+    else sc[nq][e] *= scale_of(nq, e);
+  });
+  if (edge) {
     each_score([&](int nq, int e) {
-      if constexpr (kOffset) sc[nq][e] = fmaf(sc[nq][e], scale_of(nq, e), -fused_offset);  // exactly s * r unfused
-      else sc[nq][e] *= scale_of(nq, e);
+      const int t = query_of(nq, e);
+      if (!keys.kept[e >> 1] || t < keys.first_q[e >> 1] || t >= p.I) sc[nq][e] = -INFINITY;
     });
-    if (edge) {
-      each_score([&](int nq, int e) {
-        const int t = query_of(nq, e);
-        if (!keys.kept[e >> 1] || t < keys.first_q[e >> 1] || t >= p.I) sc[nq][e] = -INFINITY;
-      });
-    }
-    if (bias) {
-      each_score([&](int nq, int e) {
-        if (sc[nq][e] != -INFINITY)
-          sc[nq][e] = fmaf(p.score.beta, bias_at(p, bias, query_of(nq, e), key0 + 8 * (e >> 1)), sc[nq][e]);
-      });
-    }
-    // Where the weight has no zero at -inf (!kZeroAtHidden), the hidden pairs are marked here, and their P
-    // and dL/dx set to 0 after the per-element loop, so tiles without edges or bias test nothing per element.
-    if constexpr (!Policy::kZeroAtHidden) {
-      static_assert(kNQ * 4 <= 32, "one bit per score");
-      if (edge || bias) {
-        each_score([&](int nq, int e) {
-          if (sc[nq][e] == -INFINITY) hidden |= 1u << (4 * nq + e);
-        });
-      }
-    }
-    if (kOffset && (edge || bias)) each_score([&](int nq, int e) { sc[nq][e] -= Policy::bwd_offset(p.score); });
   }
+  if (bias) {
+    each_score([&](int nq, int e) {
+      if (sc[nq][e] != -INFINITY)
+        sc[nq][e] = fmaf(p.score.beta, bias_at(p, bias, query_of(nq, e), key0 + 8 * (e >> 1)), sc[nq][e]);
+    });
+  }
+  // Where the weight has no zero at -inf (!kZeroAtHidden), the hidden pairs are marked here, and their P
+  // and dL/dx set to 0 after the per-element loop, so tiles without edges or bias test nothing per element.
+  uint32_t hidden = 0;
+  if constexpr (!Policy::kZeroAtHidden) {
+    static_assert(kNQ * 4 <= 32, "one bit per score");
+    if (edge || bias) {
+      each_score([&](int nq, int e) {
+        if (sc[nq][e] == -INFINITY) hidden |= 1u << (4 * nq + e);
+      });
+    }
+  }
+  if (kOffset && (edge || bias)) each_score([&](int nq, int e) { sc[nq][e] -= Policy::bwd_offset(p.score); });
   // P and dL/dx per element; dL/dx is also d(loss)/d(bias) for the rare dbias store, before it is
   // scaled into dS~ (a separate loop keeps the store's index tests off the common path).
 #pragma unroll
   for (int nq = 0; nq < kNQ; ++nq) {
     const float2 stat2 = *reinterpret_cast<const float2*>(v_stat + nq * 8 + 2 * tq);
+    const float2 delta2 = *reinterpret_cast<const float2*>(v_delta + nq * 8 + 2 * tq);
     float P[4];
-    if constexpr (kW) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) P[e] = pol.bwd_weight(sc[nq][e], (e & 1) ? stat2.y : stat2.x);
-      if constexpr (!Policy::kRowMax) {  // the weights as the forward rounded them for P V, over the row sum
+    for (int e = 0; e < 4; ++e) P[e] = pol.bwd_weight(sc[nq][e], (e & 1) ? stat2.y : stat2.x);
+    if constexpr (!Policy::kRowMax) {  // the weights as the forward rounded them for P V, over the row sum
 #pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-          const float2 r = round_for_mma<T>(make_float2(P[e], P[e + 1]));
-          P[e] = r.x * stat2.x, P[e + 1] = r.y * stat2.y;
-        }
-      }
-    } else {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) P[e] = sc[nq][e];
-    }
-    if constexpr (kDl) {
-      const float2 delta2 = *reinterpret_cast<const float2*>(v_delta + nq * 8 + 2 * tq);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float y = sc[nq][e], stat = (e & 1) ? stat2.y : stat2.x, delta = (e & 1) ? delta2.y : delta2.x;
-        dp[nq][e] = pol.dlogit(P[e], y, dp[nq][e] - delta, stat);
+      for (int e = 0; e < 4; e += 2) {
+        const float2 r = round_for_mma<T>(make_float2(P[e], P[e + 1]));
+        P[e] = r.x * stat2.x, P[e + 1] = r.y * stat2.y;
       }
     }
-    if constexpr (kW) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) sc[nq][e] = P[e];
-      after_tile(nq);
+    for (int e = 0; e < 4; ++e) {
+      const float y = sc[nq][e], stat = (e & 1) ? stat2.y : stat2.x, delta = (e & 1) ? delta2.y : delta2.x;
+      dp[nq][e] = pol.dlogit(P[e], y, dp[nq][e] - delta, stat);
+      sc[nq][e] = P[e];
     }
+    after_tile(nq);
   }
   if (hidden) {
     each_score([&](int nq, int e) {
       if (hidden >> (4 * nq + e) & 1) sc[nq][e] = 0.f, dp[nq][e] = 0.f;
     });
   }
-  if constexpr (kDl) {
-    if (p.dbias) {
-      T* dbias = static_cast<T*>(p.dbias) + static_cast<int64_t>(b * p.H + h) * p.I * p.J;
-      each_score([&](int nq, int e) {
-        const int t = query_of(nq, e), s = key0 + 8 * (e >> 1);
-        if (t < p.I && s < p.J) dbias[static_cast<int64_t>(t) * p.J + s] = Elem<T>::from_float(dp[nq][e]);
-      });
-    }
-    each_score([&](int nq, int e) { dp[nq][e] *= scale_of(nq, e); });
+  if (p.dbias) {
+    T* dbias = static_cast<T*>(p.dbias) + static_cast<int64_t>(b * p.H + h) * p.I * p.J;
+    each_score([&](int nq, int e) {
+      const int t = query_of(nq, e), s = key0 + 8 * (e >> 1);
+      if (t < p.I && s < p.J) dbias[static_cast<int64_t>(t) * p.J + s] = Elem<T>::from_float(dp[nq][e]);
+    });
   }
+  each_score([&](int nq, int e) { dp[nq][e] *= scale_of(nq, e); });
 }
 
 // dK = c rk (W - (u.W) u) (the l2norm's backward, from W, the gradient to the unit rows u = k/|k| still

@@ -49,16 +49,17 @@ struct Params {
 
   const void* dout;   // (B,H,I,D) contiguous
   float* delta;       // (B,H,i_pad): rowsum(dO * O) when normalising, else 0
-  float* dq_accum;    // fp32, zero on entry: sum of dS K as (B,H,I,D) rows (+ a scratch row) or tiles
+  float* dq_accum;    // fp32, zero on entry: sum of dS K as (B,H,I,D) rows or tiles (dq_tile_slot)
   void *dq, *dk, *dv; // dq (B,H,I,D), dk and dv (B,Hkv,J,D), contiguous
   void* dbias;        // (B,H,I,J) contiguous, zero on entry; null when no gradient is wanted
 };
 
-// The Hopper backward's dQ sums come in tiles of kDqTileRows (64) query rows x D, each laid out as its
-// two warpgroups hold them ([column tile of 8][thread][4], the m64 accumulator's registers; warpgroup
-// wg's column tiles are the D / 16 from wg D / 16), so that a step's tile goes to shared memory with
-// conflict-free 16-byte stores and to global memory with one bulk reduce per warpgroup. A tile's 16-byte
-// slot k holds rows `row` and row + 8 at columns `col` and col + 1, in that order:
+// The Hopper backwards' dQ sums come in tiles of kDqTileRows (64) query rows x D, each laid out as the m64
+// accumulator's registers hold them ([column tile of 8][thread][4]; at d128 warpgroup wg holds the D / 16
+// column tiles from wg D / 16), so that a thread's four values of a column tile are one 16-byte slot: a
+// step's tile goes to global memory with one 16-byte atomic per slot (d64), or to shared memory with
+// conflict-free 16-byte stores and on with one bulk reduce per warpgroup (d128). A tile's 16-byte slot k
+// holds rows `row` and row + 8 at columns `col` and col + 1, in that order:
 constexpr int kDqTileRows = 64;
 struct DqSlot {
   int row, col;
@@ -81,10 +82,9 @@ cudaError_t run_row_rnorm(Dtype dtype, const void* x, int64_t sb, int64_t sh, in
 // delta = rowsum(dO * O) (0 when not normalising), into p.delta.
 cudaError_t run_delta(Dtype dtype, const Params& p, int D, cudaStream_t stream);
 // dq = c (U - rq^2 (q.U) q) from U = p.dq_accum (or c U without qk norm), into p.dq; U in rows, or in the
-// Hopper backward's tiles (`tiles`, dq_tile_slot). Each backward runs it after its kernel.
+// Hopper backwards' tiles (`tiles`, dq_tile_slot). Each backward runs it after its kernel.
 cudaError_t run_dq_finalize(Dtype dtype, const Params& p, int D, bool tiles, cudaStream_t stream);
-// Size of dq_accum (fp32 elements) for either backward's layout: rows plus the scratch row that takes
-// the Hopper backward's atomics for rows past I (so that they need no branch), or whole 64-row tiles.
+// Size of dq_accum (fp32 elements) for either layout: rows, or whole 64-row tiles (the larger).
 int64_t dq_accum_size(int B, int H, int I, int D);
 
 }  // namespace attn

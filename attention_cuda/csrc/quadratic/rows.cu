@@ -186,7 +186,7 @@ __global__ void dq_finalize_kernel(const Params p, int D) {
   });
 }
 
-// The same epilogue for the d128 Hopper backward's tiles (dq_tile_slot): one block per 64-row tile,
+// The same epilogue for the Hopper backward's tiles (dq_tile_slot): one block per 64-row tile,
 // read whole with 16-byte loads and turned row-major in shared memory, then 8 rows per warp, 4
 // columns per lane. Read row by row, each 8-byte read used half of its sectors.
 template <class T, int D>
@@ -266,12 +266,12 @@ cudaError_t run_delta(Dtype dtype, const Params& p, int D, cudaStream_t stream) 
 }
 
 int64_t dq_accum_size(int B, int H, int I, int D) {
-  return static_cast<int64_t>(B) * H * dq_tiled_rows(I) * D + D;
+  return static_cast<int64_t>(B) * H * dq_tiled_rows(I) * D;
 }
 
 cudaError_t run_dq_finalize(Dtype dtype, const Params& p, int D, bool tiles, cudaStream_t stream) {
   if (p.B * p.H == 0 || p.I == 0) return cudaSuccess;
-  if (tiles && D != 128 && D != 64) return cudaErrorInvalidValue;  // the Hopper backward's head dims
+  if (tiles && D != 128 && D != 64) return cudaErrorInvalidValue;  // the Hopper backwards' head dims
   return by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     if (tiles) {

@@ -19,27 +19,23 @@ struct HeadDimTiles {
   // The wgmma kernels (sm_90a, fp16/bf16 only), where sm90 is set:
   //  - forward: consumer warpgroups of 64 query rows. At d64 a warpgroup's exps take about as long as
   //    its products, so a third warpgroup keeps the tensor cores fed; d128 has registers for two;
-  //  - backward, bulk_dq: a step's dQ leaves the block by one bulk reduce per warpgroup from a staging
-  //    tile (the TMA unit) rather than by each thread's vector atomics. At d128 the atomics held every
-  //    thread at the step's proxy fence until they drained; at d64 they hide behind the rest of the
-  //    step, where staging costs more (bench/notes/run-17.md);
-  //  - backward, tma: a step's Q/dO tiles arrive by TMA, issued by one thread once its warpgroup's
-  //    products are out, rather than by every thread's cp.async. It saves d128's registers and issue
-  //    slots; d64's shorter step, not bound by shared memory, does better with the copies spread over
-  //    all threads (bench/notes/run-28.md).
+  //  - backward, ws: the warp-specialised kernel (bwd_ws_sm90.cuh: a producer warp, no block barrier, a
+  //    step's whole dQ by one consumer warpgroup in turn), faster at d64 (bench/notes/run-38.md); at
+  //    d128 a consumer has no registers for a whole dQ beside dK and dV, and the two-warpgroup kernel
+  //    (bwd_sm90.cuh) splits dQ by columns.
   bool sm90;
   int sm90_fwd_wgs;
-  bool sm90_bwd_bulk_dq, sm90_bwd_tma;
+  bool sm90_bwd_ws;
 };
 
 inline constexpr HeadDimTiles kTileTable[] = {
-    // D   | mma.sync fwd: | mma.sync bwd:         | wgmma: kernels  fwd  bwd:
-    //     | keys  Q regs  | K/V regs  fp32 rows   |        warpgroups     bulk dQ  TMA
-    {16,     64,   true,     true,     32,           false,   0,            false,   false},
-    {32,     64,   true,     true,     32,           false,   0,            false,   false},
-    {64,     64,   true,     true,     32,           true,    3,            false,   false},
-    {96,     32,   false,    false,    16,           false,   0,            false,   false},
-    {128,    32,   false,    false,    16,           true,    2,            true,    true},
+    // D   | mma.sync fwd: | mma.sync bwd:         | wgmma: kernels  fwd         bwd:
+    //     | keys  Q regs  | K/V regs  fp32 rows   |        warpgroups  ws
+    {16,     64,   true,     true,     32,           false,   0,          false},
+    {32,     64,   true,     true,     32,           false,   0,          false},
+    {64,     64,   true,     true,     32,           true,    3,          true},
+    {96,     32,   false,    false,    16,           false,   0,          false},
+    {128,    32,   false,    false,    16,           true,    2,          false},
 };
 
 constexpr HeadDimTiles tiles_of(int D) {

@@ -1,0 +1,230 @@
+// Backward on Hopper (sm_90a) at d64, warp-specialised in the shape of cuDNN's backward kernel
+// (bench/notes/run-38.md): the per-element work (bwd_scores), the transposed products and the dK/dV
+// epilogue of bwd_sm90.cuh, under another schedule.
+//
+// One block per (batch, kv head, 128 keys) has three warpgroups and no block barrier after its start:
+//   - a producer warp loads K and V once, then streams each step's Q and dO tiles by TMA through
+//     kStages stages (mbarriers count the bytes) and copies the step's row vectors (stat, delta, 1/|q|)
+//     with its lanes' own loads and stores. The vectors are read with ordinary loads, so named barriers,
+//     which compute-sanitizer's racecheck follows, hand them over and hand each stage back;
+//   - two consumer warpgroups of 64 keys each compute S^T = K Q^T and dP^T = V dO^T, P^T and dS~^T in
+//     registers, and dV += P^T dO, dK += dS~^T Q from register A operands, and store dS~^T for dQ;
+//   - a step's whole dQ = dS~ K (all D columns, one read of dS~) is computed by one consumer, the two
+//     taking turns by step, and added to dq_accum's tiles (dq_tile_slot) with one 16-byte atomic per
+//     column tile and thread. dS~^T tiles alternate by step; named barriers say when the other
+//     consumer's half of a tile is in (ds_full) and when the dQ that last read a tile is done
+//     (ds_empty).
+// The two-warpgroup kernel's d64 form (cp.async by every thread and a block barrier per step, dQ split by
+// columns and added during the next step) was 3-8% slower (bench/notes/run-38.md); d128's accumulators
+// (dK, dV and a whole dQ of 128 columns) do not fit a consumer's registers, so d128 keeps that kernel.
+#pragma once
+#include "bwd_sm90.cuh"
+
+namespace attn {
+
+template <class T, int D>
+struct Sm90BwdWs {
+  using Tl = Tiles<T, D>;
+  static constexpr bool kSupported = Tl::kSm90 && Tl::kRow.sm90_bwd_ws;
+  static cudaError_t run(const Params& p, Score score, cudaStream_t stream);  // the launch, after the kernel
+  static constexpr int kCols = 128, kRows = 64, kStages = 3, kThreads = 384;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static constexpr int kTileK = kCols * D * sizeof(T), kTileQ = kRows * D * sizeof(T);
+  static constexpr int kTileS = kCols * kRows * sizeof(T), kVecBytes = 3 * kRows * 4;
+  // K | V | kStages x Q | kStages x dO | 2 x dS~^T | kStages x vectors | mbarriers (K/V, then Q/dO per
+  // stage), every tile 1024-byte aligned (the swizzle pattern's period), plus the slack to align the
+  // dynamic shared memory's start.
+  static constexpr int kK = 0, kV = kTileK, kQ = 2 * kTileK, kDO = kQ + kStages * kTileQ;
+  static constexpr int kDS = kDO + kStages * kTileQ, kVec = kDS + 2 * kTileS, kBar = kVec + kStages * kVecBytes;
+  static constexpr int kBytes = kBar + 8 * (1 + kStages) + 1024;
+  static_assert(kRows == kDqTileRows, "dQ's tiles (dq_tile_slot) are one step of queries");
+  static_assert(kBytes <= 227 * 1024, "shared memory");
+};
+
+struct Sm90BwdWsArgs {  // the TMA descriptors must live in parameter (or constant) space
+  CUtensorMap q, dout, k, v;
+  Params p;
+};
+
+template <class T, int D, class Policy>
+__global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
+    bwd_ws_sm90_kernel(const __grid_constant__ Sm90BwdWsArgs args) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = Sm90BwdWs<T, D>;
+  using M = Mma<T>;
+  const Params& p = args.p;
+  constexpr int kBc = C::kCols, kBr = C::kRows, kStages = C::kStages, kPanels = D / 32;
+  constexpr int kKD = D / 16, kNQ = kBr / 8, kND = D / 8;
+  // Named barriers (+ dS~ buffer or stage): consumers only (256 threads), or with the producer warp (288).
+  constexpr int kDsFull = 1, kDsEmpty = 3, kVecFull = 5, kStageFree = 5 + kStages, kPair = 256, kAll = 288;
+  static_assert(kStageFree + kStages <= 16, "named barriers");
+  extern __shared__ __align__(1024) char smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw), s0 = (raw + 1023) & ~1023u;
+  const SwTile sK{s0 + C::kK, kBc}, sV{s0 + C::kV, kBc};
+  auto q_tile = [&](int st) { return SwTile{s0 + C::kQ + st * C::kTileQ, kBr}; };
+  auto do_tile = [&](int st) { return SwTile{s0 + C::kDO + st * C::kTileQ, kBr}; };
+  auto ds_tile = [&](int buf) { return SwTile{s0 + C::kDS + buf * C::kTileS, kBc}; };
+  const uint32_t kv_full = s0 + C::kBar;
+  auto q_full = [&](int st) { return kv_full + 8 * (1 + st); };
+
+  using Walk = BwdWalk<T, D, kBc, kBr, 256>;
+  using Pos = typename Walk::Pos;
+  const Walk walk(p);
+  const int bhk = walk.bhk, n0 = walk.n0, b = walk.b, hk = walk.hk, steps = walk.steps;
+  const int warp = warp_index(), wg = warp / 4;
+  if (threadIdx.x == 0) {
+    mbar_init(kv_full, 1);
+    for (int st = 0; st < kStages; ++st) mbar_init(q_full(st), 1);
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  if (wg == 2) {  // the producer: its first warp
+    setmaxnreg_dec<C::kProducerRegs>();
+    if (warp == 8) {
+      const int lane = lane_id();
+      if (lane == 0) {
+        mbar_expect_tx(kv_full, 2 * C::kTileK);
+        tma_load_tile<kPanels>(sK, &args.k, kv_full, n0, hk, b);
+        tma_load_tile<kPanels>(sV, &args.v, kv_full, n0, hk, b);
+      }
+      auto copy_vec = [&](const float* src, uint32_t dst, int n) {  // kBr floats, 16 lanes x 4; zeros from n
+        if (lane < kBr / 4) {
+          float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (4 * lane < n) x = *reinterpret_cast<const float4*>(src + 4 * lane);
+          sts128(dst + 16 * lane, x.x, x.y, x.z, x.w);
+        }
+      };
+      Pos at = walk.first();
+      for (int step = 0; step < steps; ++step) {
+        const int st = step % kStages;
+        if (step >= kStages) named_sync(kStageFree + st, kAll);
+        const uint32_t vec = s0 + C::kVec + st * C::kVecBytes;
+        if (lane == 0) {
+          mbar_expect_tx(q_full(st), 2 * C::kTileQ);
+          tma_load_tile<kPanels>(q_tile(st), &args.q, q_full(st), at.m0, at.h, b);
+          tma_load_tile<kPanels>(do_tile(st), &args.dout, q_full(st), at.m0, at.h, b);
+        }
+        // Entries past i_pad (a multiple of 4) are zeros: finite, so rows past the end weigh 0.
+        const int64_t row = static_cast<int64_t>(b * p.H + at.h) * p.i_pad + at.m0;
+        const int n = p.i_pad - at.m0;
+        copy_vec(p.stat + row, vec, n);
+        copy_vec(p.delta + row, vec + kBr * 4, n);
+        if (p.rq) copy_vec(p.rq + row, vec + 2 * kBr * 4, n);
+        named_arrive(kVecFull + st, kAll);
+        at = walk.next(at);
+      }
+    }
+    return;
+  }
+  setmaxnreg_inc<C::kConsumerRegs>();
+
+  const int g = threadIdx.x % 32 / 4, wkey = warp * 16;  // warpgroup wg: keys 64 wg ..; this warp: 16 of them
+  const uint8_t* mask = walk.mask();
+  const KeyRows keys(p, b, hk, mask, n0 + wkey + g);
+  const float* s_vec = reinterpret_cast<const float*>(smem_raw + (s0 - raw) + C::kVec);
+  const Policy pol(p.score);
+  float dk[kND][4] = {}, dv[kND][4] = {};
+  mbar_wait(kv_full, 0);
+  Pos cur = walk.first();
+  for (int step = 0; step < steps; ++step) {
+    const int st = step % kStages, buf = step & 1, h = cur.h, m0 = cur.m0;
+    const bool dq_turn = wg == buf;  // this warpgroup computes the step's dQ
+    mbar_wait(q_full(st), (step / kStages) & 1);
+    float sc[kNQ][4], dp[kNQ][4];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kKD; ++kk)
+      wgmma_ss<0, 0>(sc, desc_k(sK, 64 * wg, kk * 16, sizeof(T)), desc_k(q_tile(st), 0, kk * 16, sizeof(T)), kk > 0,
+                     T{});
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < kKD; ++kk)
+      wgmma_ss<0, 0>(dp, desc_k(sV, 64 * wg, kk * 16, sizeof(T)), desc_k(do_tile(st), 0, kk * 16, sizeof(T)), kk > 0,
+                     T{});
+    wgmma_commit();
+    named_sync(kVecFull + st, kAll);
+    wgmma_wait<0>();
+    fence_acc(sc);
+    fence_acc(dp);
+
+    // Per half of the queries: P^T and dS~^T, then dV += P^T dO and dK += dS~^T Q issued at once, so the
+    // first half's products run during the second half's exps.
+    constexpr int kHalf = kNQ / 2;
+    uint32_t pa[kNQ / 2][M::kA], da[kNQ / 2][M::kA];
+#pragma unroll
+    for (int hq = 0; hq < 2; ++hq) {
+      const float* vec = s_vec + st * 3 * kBr + hq * kBr / 2;
+      bwd_scores<T, D, kBc, kBr / 2>(p, pol, *reinterpret_cast<float(*)[kHalf][4]>(sc[hq * kHalf]),
+                                     *reinterpret_cast<float(*)[kHalf][4]>(dp[hq * kHalf]), vec, vec + kBr,
+                                     vec + 2 * kBr, keys, b, h, n0, m0 + hq * kBr / 2, n0 + wkey + g, mask);
+#pragma unroll
+      for (int kq = hq * kHalf / 2; kq < (hq + 1) * kHalf / 2; ++kq) {
+        M::c_to_a(pa[kq], sc[2 * kq], sc[2 * kq + 1]);
+        M::c_to_a(da[kq], dp[2 * kq], dp[2 * kq + 1]);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int kq = hq * kHalf / 2; kq < (hq + 1) * kHalf / 2; ++kq) {
+        wgmma_rs<1>(dv, pa[kq], desc_mn(do_tile(st), kq * 16, 0), 1, T{});
+        wgmma_rs<1>(dk, da[kq], desc_mn(q_tile(st), kq * 16, 0), 1, T{});
+      }
+      wgmma_commit();
+    }
+    // dS~^T into the step's buffer once the dQ that last read it (step - 2's: the other warpgroup's, or
+    // this one's, which it has waited for) is done; then the step's dQ, by the warpgroup whose turn it is.
+    if (!dq_turn && step >= 2) named_sync(kDsEmpty + buf, kPair);
+    store_ds_sm90<T>(ds_tile(buf), da, wkey);
+    fence_proxy_async();
+    float dqa[kND][4];
+    if (dq_turn) {
+      named_sync(kDsFull + buf, kPair);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBc / 16; ++kk)
+        wgmma_ss<1, 1>(dqa, desc_mn(ds_tile(buf), kk * 16, 0), desc_mn(sK, kk * 16, 0), kk > 0, T{});
+      wgmma_commit();
+    } else {
+      named_arrive(kDsFull + buf, kPair);
+    }
+    wgmma_wait<0>();
+    fence_acc(dk);
+    fence_acc(dv);
+    if (step + kStages < steps) named_arrive(kStageFree + st, kAll);  // Q, dO and the vectors are read
+    if (dq_turn) {
+      fence_acc(dqa);
+      if (step + 2 < steps) named_arrive(kDsEmpty + buf, kPair);
+      // The accumulator's registers are dq_tile_slot's 16-byte slots: column tile n, this thread.
+      float* dst = p.dq_accum + (static_cast<int64_t>(b * p.H + h) * dq_tiled_rows(p.I) + m0) * D;
+#pragma unroll
+      for (int n = 0; n < kND; ++n)
+        red_add4(dst + (n * 128 + threadIdx.x % 128) * 4, dqa[n][0], dqa[n][1], dqa[n][2], dqa[n][3]);
+    }
+    cur = walk.next(cur);
+  }
+  bwd_store_dkdv<T, D>(p, dk, dv, sK, wkey + g, keys, bhk, n0);
+#endif
+}
+
+// One CTA per (key tile, batch, kv head); the mma.sync backward where TMA cannot describe q, k, v or dO.
+template <class T, int D>
+cudaError_t Sm90BwdWs<T, D>::run(const Params& p, Score score, cudaStream_t stream) {
+  using C = Sm90BwdWs<T, D>;
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  Sm90BwdWsArgs args;
+  args.p = p;
+  if (!make_tensor_map(&args.q, p.q, kBf16, D, p.I, p.H, p.B, p.q_si, p.q_sh, p.q_sb, C::kRows) ||
+      !make_tensor_map(&args.dout, p.dout, kBf16, D, p.I, p.H, p.B, D, static_cast<int64_t>(p.I) * D,
+                       static_cast<int64_t>(p.H) * p.I * D, C::kRows) ||
+      !make_tensor_map(&args.k, p.k, kBf16, D, p.J, p.Hkv, p.B, p.k_sj, p.k_sh, p.k_sb, C::kCols) ||
+      !make_tensor_map(&args.v, p.v, kBf16, D, p.J, p.Hkv, p.B, p.v_sj, p.v_sh, p.v_sb, C::kCols))
+    return run_bwd<T, D>(p, score, stream);
+  const int64_t blocks = static_cast<int64_t>(cdiv(p.J, C::kCols)) * p.B * p.Hkv;
+  return with_policy(score, [&](auto policy) {
+    const cudaError_t err = launch(bwd_ws_sm90_kernel<T, D, typename decltype(policy)::type>, blocks, C::kThreads,
+                                   C::kBytes, args, stream);
+    return err != cudaSuccess ? err : run_dq_finalize(dtype_of<T>(), p, D, true, stream);
+  });
+}
+
+}  // namespace attn
