@@ -39,7 +39,7 @@ LINEAR_CHUNK = 128
 # registry, the row passes around the quadratic kernels and the linear form, cosine's decode kernel
 # (every dtype and head dim of the list in one unit: it is small, templated on lanes per row, not D), and
 # RoPE's passes around the attention (any head dim that is a multiple of 16).
-FIXED_SOURCES = ("binding/binding.cpp", "quadratic/rows.cu", "linear/rows.cu", "decode/decode.cu", "rope/rope.cu")
+FIXED_SOURCES = ("binding/binding.cpp", "quadratic/rows.cu", "linear/lin_rows.cu", "decode/decode.cu", "rope/rope.cu")
 NVCC_FLAGS_FILE = "nvcc_flags.txt"
 # Where setup.py writes the instantiations, relative to the repository root (git-ignored: build/).
 SETUP_GEN_DIR = Path("build") / "attention_cuda_gen"

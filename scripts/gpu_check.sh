@@ -41,6 +41,12 @@ if step build; then
     echo "BUILD FAILED (build.log)"
     exit 1
   fi
+  # setup.py installs pure Python when the kernels fail to compile, and exits 0.
+  if ! ls attention_cuda/_C*.so > /dev/null 2>&1; then
+    grep -m 20 -E "error" "$OUT/build.log"
+    echo "BUILD FAILED: no attention_cuda/_C (build.log)"
+    exit 1
+  fi
   grep -E "ptxas (warning|error)|spill|C7514" "$OUT/build.log" | sort | uniq -c | head -20
 fi
 

@@ -55,12 +55,16 @@ def test_instantiations_cover_the_build_list_and_name_real_types():
     assert [d.tag for d in build.DTYPES if d.linear] == ["f16", "bf16"]  # the linear form is 16-bit only
 
 
-def test_no_hand_written_instantiations_and_every_source_installs():
+def test_no_hand_written_instantiations_and_every_source_installs(tmp_path):
     assert not (CSRC / "inst").exists()
     registers = [p for p in CSRC.rglob("*") if p.is_file() and "ATTN_REGISTER(" in p.read_text()]
     assert registers == [CSRC / "binding" / "register.cuh"]
     for s in build.FIXED_SOURCES:
         assert (CSRC / s).is_file(), s
+    # The JIT build (torch's cpp_extension.load) names each object after its source's file name alone: two
+    # sources of one name would both make rows.cuda.o, and ninja refuses the build.
+    names = [p.name for p in build.sources(tmp_path)]
+    assert len(names) == len(set(names)), names
     # package_data keeps every file under csrc, so that an installed copy can JIT-compile them.
     for f in (p for p in CSRC.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
         rel = f.relative_to(CSRC.parent).as_posix()

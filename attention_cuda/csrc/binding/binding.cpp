@@ -418,7 +418,7 @@ std::vector<int64_t> chunked_head_dims(at::ScalarType dtype) {
   return dims;
 }
 
-// The linear form's row passes (linear/rows.cu): natural (B, H, n, D) rows <-> chunk-major (B, chunks, H, L, W)
+// The linear form's row passes (linear/lin_rows.cu): natural (B, H, n, D) rows <-> chunk-major (B, chunks, H, L, W)
 // ones, chunk row t = natural row t - shift; L (rows per chunk) is 128 for the sweep (kLinChunk) and
 // larger for the Hopper chunked form.
 attn::Dtype lin_dtype(at::ScalarType t) {

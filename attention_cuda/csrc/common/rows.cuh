@@ -1,4 +1,4 @@
-// The warp-per-rows machinery of the row passes around the kernels (quadratic/rows.cu, linear/rows.cu):
+// The warp-per-rows machinery of the row passes around the kernels (quadratic/rows.cu, linear/lin_rows.cu):
 // each warp owns kRowsPerWarp rows at a time and issues the loads of all of them before it reduces any.
 // The grid is (batch x head, row blocks), rows striding past the grid's 65535-block height, so no
 // thread divides a 64-bit row index (bench/notes/run-09.md). Included by those two translation units and

@@ -1,5 +1,5 @@
 // What the host hands the linear form's kernels (linear/linear.cuh, linear/lin_sm90.cuh) and the row
-// passes around them (linear/rows.cu). Plain C++ (no torch headers).
+// passes around them (linear/lin_rows.cu). Plain C++ (no torch headers).
 #pragma once
 #include <cstdint>
 
@@ -53,7 +53,7 @@ struct LinReadParams {
   const float* scale;
 };
 
-// The linear form's row passes (linear/rows.cu), between natural (B,H,n,D) rows (contiguous unless
+// The linear form's row passes (linear/lin_rows.cu), between natural (B,H,n,D) rows (contiguous unless
 // strides are given) and chunk-major (B, n_pad / L, H, L, W) ones whose row t holds row t - shift.
 // x - mu[b,h] where mask (B,N) keeps the row (else 0); W = D + 16 adds the columns [keep, 0 ... 0].
 cudaError_t run_lin_rows(Dtype dtype, const void* x, int64_t sb, int64_t sh, int64_t si, const bool* mask,
