@@ -4,9 +4,10 @@
 //
 // One block per (batch, kv head, 128 keys) has three warpgroups and no block barrier after its start:
 //   - a producer warp loads K and V once, then streams each step's Q and dO tiles by TMA through
-//     kStages stages (mbarriers count the bytes) and copies the step's row vectors (stat, delta, 1/|q|)
-//     with its lanes' own loads and stores. The vectors are read with ordinary loads, so named barriers,
-//     which compute-sanitizer's racecheck follows, hand them over and hand each stage back;
+//     kStages stages and copies the step's row vectors (stat, delta, 1/|q|) with its lanes' own loads
+//     and stores. A stage's full mbarrier waits for the tiles' bytes and an arrival from each producer
+//     lane, its empty one for an arrival from each consumer thread: an arrival releases only the
+//     arriving thread's own accesses, and the vectors are read with ordinary loads;
 //   - two consumer warpgroups of 64 keys each compute S^T = K Q^T and dP^T = V dO^T, P^T and dS~^T in
 //     registers, and dV += P^T dO, dK += dS~^T Q from register A operands, and store dS~^T for dQ;
 //   - a step's whole dQ = dS~ K (all D columns, one read of dS~) is computed by one consumer, the two
@@ -31,12 +32,12 @@ struct Sm90BwdWs {
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static constexpr int kTileK = kCols * D * sizeof(T), kTileQ = kRows * D * sizeof(T);
   static constexpr int kTileS = kCols * kRows * sizeof(T), kVecBytes = 3 * kRows * 4;
-  // K | V | kStages x Q | kStages x dO | 2 x dS~^T | kStages x vectors | mbarriers (K/V, then Q/dO per
-  // stage), every tile 1024-byte aligned (the swizzle pattern's period), plus the slack to align the
+  // K | V | kStages x Q | kStages x dO | 2 x dS~^T | kStages x vectors | mbarriers (K/V, then full and
+  // empty per stage), every tile 1024-byte aligned (the swizzle pattern's period), plus the slack to align the
   // dynamic shared memory's start.
   static constexpr int kK = 0, kV = kTileK, kQ = 2 * kTileK, kDO = kQ + kStages * kTileQ;
   static constexpr int kDS = kDO + kStages * kTileQ, kVec = kDS + 2 * kTileS, kBar = kVec + kStages * kVecBytes;
-  static constexpr int kBytes = kBar + 8 * (1 + kStages) + 1024;
+  static constexpr int kBytes = kBar + 8 * (1 + 2 * kStages) + 1024;
   static_assert(kRows == kDqTileRows, "dQ's tiles (dq_tile_slot) are one step of queries");
   static_assert(!kSupported || kBytes <= 227 * 1024, "shared memory");
 };
@@ -55,9 +56,7 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
   const Params& p = args.p;
   constexpr int kBc = C::kCols, kBr = C::kRows, kStages = C::kStages, kPanels = D / 32;
   constexpr int kKD = D / 16, kNQ = kBr / 8, kND = D / 8;
-  // Named barriers (+ dS~ buffer or stage): consumers only (256 threads), or with the producer warp (288).
-  constexpr int kDsFull = 1, kDsEmpty = 3, kVecFull = 5, kStageFree = 5 + kStages, kPair = 256, kAll = 288;
-  static_assert(kStageFree + kStages <= 16, "named barriers");
+  constexpr int kDsFull = 1, kDsEmpty = 3, kPair = 256;  // named barriers (+ dS~ buffer) of the consumers
   extern __shared__ __align__(1024) char smem_raw[];
   const uint32_t raw = smem_u32(smem_raw), s0 = (raw + 1023) & ~1023u;
   const SwTile sK{s0 + C::kK, kBc}, sV{s0 + C::kV, kBc};
@@ -66,6 +65,7 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
   auto ds_tile = [&](int buf) { return SwTile{s0 + C::kDS + buf * C::kTileS, kBc}; };
   const uint32_t kv_full = s0 + C::kBar;
   auto q_full = [&](int st) { return kv_full + 8 * (1 + st); };
+  auto q_empty = [&](int st) { return kv_full + 8 * (1 + kStages + st); };
 
   using Walk = BwdWalk<T, D, kBc, kBr, 256>;
   using Pos = typename Walk::Pos;
@@ -74,7 +74,10 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
   const int warp = warp_index(), wg = warp / 4;
   if (threadIdx.x == 0) {
     mbar_init(kv_full, 1);
-    for (int st = 0; st < kStages; ++st) mbar_init(q_full(st), 1);
+    for (int st = 0; st < kStages; ++st) {
+      mbar_init(q_full(st), 32);    // the producer warp's lanes
+      mbar_init(q_empty(st), kPair);  // the consumers' threads
+    }
     mbar_fence_init();
   }
   __syncthreads();
@@ -98,10 +101,10 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
       Pos at = walk.first();
       for (int step = 0; step < steps; ++step) {
         const int st = step % kStages;
-        if (step >= kStages) named_sync(kStageFree + st, kAll);
+        if (step >= kStages) mbar_wait(q_empty(st), (step / kStages - 1) & 1);
         const uint32_t vec = s0 + C::kVec + st * C::kVecBytes;
         if (lane == 0) {
-          mbar_expect_tx(q_full(st), 2 * C::kTileQ);
+          mbar_add_tx(q_full(st), 2 * C::kTileQ);
           tma_load_tile<kPanels>(q_tile(st), &args.q, q_full(st), at.m0, at.h, b);
           tma_load_tile<kPanels>(do_tile(st), &args.dout, q_full(st), at.m0, at.h, b);
         }
@@ -111,7 +114,7 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
         copy_vec(p.stat + row, vec, n);
         copy_vec(p.delta + row, vec + kBr * 4, n);
         if (p.rq) copy_vec(p.rq + row, vec + 2 * kBr * 4, n);
-        named_arrive(kVecFull + st, kAll);
+        mbar_arrive(q_full(st));
         at = walk.next(at);
       }
     }
@@ -143,7 +146,6 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
       wgmma_ss<0, 0>(dp, desc_k(sV, 64 * wg, kk * 16, sizeof(T)), desc_k(do_tile(st), 0, kk * 16, sizeof(T)), kk > 0,
                      T{});
     wgmma_commit();
-    named_sync(kVecFull + st, kAll);
     wgmma_wait<0>();
     fence_acc(sc);
     fence_acc(dp);
@@ -190,7 +192,7 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
     wgmma_wait<0>();
     fence_acc(dk);
     fence_acc(dv);
-    if (step + kStages < steps) named_arrive(kStageFree + st, kAll);  // Q, dO and the vectors are read
+    mbar_arrive(q_empty(st));  // Q, dO and the vectors are read
     if (dq_turn) {
       fence_acc(dqa);
       if (step + 2 < steps) named_arrive(kDsEmpty + buf, kPair);
