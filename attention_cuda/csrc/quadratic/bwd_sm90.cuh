@@ -122,8 +122,9 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
   // dQ += dS~ K for one step's queries, the reduction over the block's 128 keys: A = dS~ read M-major
   // from the dS~^T tile (keys as rows), B = this warpgroup's kDQ columns of K read N-major. One wgmma
   // group. Issued ahead of the next step's S^T and dP^T, its accumulator live with theirs, it made 255
-  // registers and ~120 bytes of spills per thread, so it goes in once both warpgroups' dS~^T is stored, ahead of the second half's dV and dK, its registers those of the
-  // consumed S^T and dP^T: no spills (bench/notes/run-25.md).
+  // registers and ~120 bytes of spills per thread, so it goes in once both warpgroups' dS~^T is stored,
+  // ahead of the second half's dV and dK, its registers those of the consumed S^T and dP^T: no spills
+  // (bench/notes/run-25.md).
   // dq_keys: n 16-key slices of the reduction from slice kk0, the first overwriting dqa unless acc.
   float dqa[kDQ / 8][4];
   auto dq_keys = [&](int stage, int kk0, int n, bool acc) {

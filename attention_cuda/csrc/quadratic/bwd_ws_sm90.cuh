@@ -33,8 +33,8 @@ struct Sm90BwdWs {
   static constexpr int kTileK = kCols * D * sizeof(T), kTileQ = kRows * D * sizeof(T);
   static constexpr int kTileS = kCols * kRows * sizeof(T), kVecBytes = 3 * kRows * 4;
   // K | V | kStages x Q | kStages x dO | 2 x dS~^T | kStages x vectors | mbarriers (K/V, then full and
-  // empty per stage), every tile 1024-byte aligned (the swizzle pattern's period), plus the slack to align the
-  // dynamic shared memory's start.
+  // empty per stage), every tile 1024-byte aligned (the swizzle pattern's period), plus the slack to
+  // align the dynamic shared memory's start.
   static constexpr int kK = 0, kV = kTileK, kQ = 2 * kTileK, kDO = kQ + kStages * kTileQ;
   static constexpr int kDS = kDO + kStages * kTileQ, kVec = kDS + 2 * kTileS, kBar = kVec + kStages * kVecBytes;
   static constexpr int kBytes = kBar + 8 * (1 + 2 * kStages) + 1024;
@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
   auto q_full = [&](int st) { return kv_full + 8 * (1 + st); };
   auto q_empty = [&](int st) { return kv_full + 8 * (1 + kStages + st); };
 
-  using Walk = BwdWalk<T, D, kBc, kBr, 256>;
+  using Walk = BwdWalk<T, D, kBc, kBr, kPair>;  // (its loads, which take the thread count, are unused)
   using Pos = typename Walk::Pos;
   const Walk walk(p);
   const int bhk = walk.bhk, n0 = walk.n0, b = walk.b, hk = walk.hk, steps = walk.steps;
