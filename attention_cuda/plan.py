@@ -94,16 +94,24 @@ def run_dtype(dtype: torch.dtype, on_kernels: bool) -> torch.dtype:
     return dtype
 
 
-def kernels_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """None when the kernels take inputs of this device, dtype and head dim, else why not."""
+def _extension_reason(device: torch.device, dtype: torch.dtype, arg: str) -> str | None:
+    """Why the compiled ops cannot take tensors of this device and dtype (named ``arg`` in the message), if so."""
     reason = _extension.unavailable_reason()
     if reason is not None:
         return reason
     if device.type != "cuda":
-        return f"inputs are on {device}, the kernels run on CUDA devices"
-    dtype = run_dtype(dtype, True)
+        return f"{arg}: inputs are on {device}, the kernels run on CUDA devices"
     if dtype not in _extension.DTYPES:
-        return f"q: dtype {dtype} is not supported by the kernels (float16, bfloat16, float32)"
+        return f"{arg}: dtype {dtype} is not supported by the kernels (float16, bfloat16, float32)"
+    return None
+
+
+def kernels_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """None when the kernels take inputs of this device, dtype and head dim, else why not."""
+    dtype = run_dtype(dtype, True)
+    reason = _extension_reason(device, dtype, "q")
+    if reason is not None:
+        return reason
     if head_dim not in _extension.HEAD_DIMS:
         return f"q: head dim {head_dim} is not supported by the kernels (one of {_extension.HEAD_DIMS})"
     compiled = _extension.compiled_head_dims(dtype)
@@ -126,13 +134,9 @@ def reference_reason(backend: str, kernels_cannot) -> str | None:
 def rope_kernels_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """None when RoPE's kernels (attn_cuda::rope_split, rope_merge) take rows of this device, dtype and head
     dim, else why not."""
-    reason = _extension.unavailable_reason()
+    reason = _extension_reason(device, dtype, "qkv")
     if reason is not None:
         return reason
-    if device.type != "cuda":
-        return f"qkv: on {device}, the kernels run on CUDA devices"
-    if dtype not in _extension.DTYPES:
-        return f"qkv: dtype {dtype} is not supported by the kernels (float16, bfloat16, float32)"
     if head_dim % 16:
         return f"qkv: head dim {head_dim} is not a multiple of 16, as RoPE's kernels take it"
     return None

@@ -8,7 +8,7 @@ import torch
 
 import kernel_standins
 from attention_cuda import _kernels, rotary_qkv
-from attention_cuda.plan import rope_kernels_reason
+from attention_cuda.plan import kernels_reason, rope_kernels_reason
 from attention_cuda.reference import apply_rope
 from helpers import poison_allocator, rule_violation
 from model.attention import rope_tables
@@ -53,6 +53,17 @@ def test_bad_arguments_are_named(call, error, match):
     cos, sin = rope_tables(12, 16, 10000.0)
     with pytest.raises(error, match=match):
         call(qkv, cos, sin)
+
+
+def test_what_the_kernels_cannot_take_is_named(fake_kernels):
+    """RoPE's kernels and the attention's share the device and dtype checks; each names its own argument."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert rope_kernels_reason(cuda, torch.bfloat16, 48) is None
+    assert rope_kernels_reason(cpu, torch.bfloat16, 64) == "qkv: inputs are on cpu, the kernels run on CUDA devices"
+    assert rope_kernels_reason(cuda, torch.float64, 64).startswith("qkv: dtype torch.float64 is not supported")
+    assert "head dim 40 is not a multiple of 16" in rope_kernels_reason(cuda, torch.float16, 40)
+    assert kernels_reason(cpu, torch.bfloat16, 64) == "q: inputs are on cpu, the kernels run on CUDA devices"
+    assert kernels_reason(cuda, torch.float64, 64).startswith("q: dtype torch.float64 is not supported")
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (3, 1)])
