@@ -14,8 +14,8 @@
 // warpgroup 1 skewed half a step so that its exps run under warpgroup 0's products: two loop bodies,
 // one per warpgroup, miss the instruction cache where one shared body does not (bench/notes/run-24.md).)
 #pragma once
-#include "../common/wgmma.cuh"
 #include "bwd_sm80.cuh"
+#include "maps.cuh"
 
 namespace attn {
 
@@ -54,6 +54,58 @@ __device__ __forceinline__ void store_ds_sm90(const SwTile& sds, const uint32_t 
     stsm_x4(sds.at(row, (2 * kq + (l >> 4)) * 8 * sizeof(T)), da[kq][0], da[kq][1], da[kq][2], da[kq][3]);
 }
 
+// The per-step products and weights of both Hopper backwards (this kernel and bwd_ws_sm90.cuh), for
+// warpgroup wg's 64 keys of a block (sK, sV) and a step's kBr queries (the stage's tiles sQ, sDO).
+// S^T = K Q^T and dP^T = V dO^T, both operands in shared memory: two wgmma groups, S^T's first.
+template <class T, int D, int kNQ>
+__device__ __forceinline__ void sm90_bwd_sdp(float (&sc)[kNQ][4], float (&dp)[kNQ][4], const SwTile& sK,
+                                             const SwTile& sV, const SwTile& sQ, const SwTile& sDO, int wg) {
+  constexpr int kKD = D / 16;
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kKD; ++kk)
+    wgmma_ss<0, 0>(sc, desc_k(sK, 64 * wg, kk * 16, sizeof(T)), desc_k(sQ, 0, kk * 16, sizeof(T)), kk > 0, T{});
+  wgmma_commit();
+#pragma unroll
+  for (int kk = 0; kk < kKD; ++kk)
+    wgmma_ss<0, 0>(dp, desc_k(sV, 64 * wg, kk * 16, sizeof(T)), desc_k(sDO, 0, kk * 16, sizeof(T)), kk > 0, T{});
+  wgmma_commit();
+}
+// Half hq of the step's queries m0..: P^T and dS~^T in place of S^T and dP^T (bwd_scores, with the
+// stage's (stat, delta, 1/|q|) vectors at vec), then as the A operands of dV's and dK's products.
+template <class T, int D, int kBc, int kBr, class Policy>
+__device__ __forceinline__ void sm90_bwd_weights(const Params& p, const Policy& pol, int hq, float (&sc)[kBr / 8][4],
+                                                 float (&dp)[kBr / 8][4], uint32_t (&pa)[kBr / 16][Mma<T>::kA],
+                                                 uint32_t (&da)[kBr / 16][Mma<T>::kA], const float* vec,
+                                                 const KeyRows& keys, int b, int h, int n0, int m0, int key0,
+                                                 const uint8_t* mask) {
+  constexpr int kHalf = kBr / 16;  // column tiles per half
+  vec += hq * kBr / 2;
+  bwd_scores<T, D, kBc, kBr / 2>(p, pol, *reinterpret_cast<float(*)[kHalf][4]>(sc[hq * kHalf]),
+                                 *reinterpret_cast<float(*)[kHalf][4]>(dp[hq * kHalf]), vec, vec + kBr, vec + 2 * kBr,
+                                 keys, b, h, n0, m0 + hq * kBr / 2, key0, mask);
+#pragma unroll
+  for (int kq = hq * kHalf / 2; kq < (hq + 1) * kHalf / 2; ++kq) {
+    Mma<T>::c_to_a(pa[kq], sc[2 * kq], sc[2 * kq + 1]);
+    Mma<T>::c_to_a(da[kq], dp[2 * kq], dp[2 * kq + 1]);
+  }
+}
+// dV += P^T dO and dK += dS~^T Q for half hq of the step's queries (16 per k-step, dO and Q read N-major):
+// one wgmma group.
+template <class T, int kND, int kKQ>
+__device__ __forceinline__ void sm90_bwd_dvdk(float (&dv)[kND][4], float (&dk)[kND][4],
+                                              const uint32_t (&pa)[kKQ][Mma<T>::kA],
+                                              const uint32_t (&da)[kKQ][Mma<T>::kA], const SwTile& sQ,
+                                              const SwTile& sDO, int hq) {
+  wgmma_fence();
+#pragma unroll
+  for (int kq = hq * kKQ / 2; kq < (hq + 1) * kKQ / 2; ++kq) {
+    wgmma_rs<1>(dv, pa[kq], desc_mn(sDO, kq * 16, 0), 1, T{});
+    wgmma_rs<1>(dk, da[kq], desc_mn(sQ, kq * 16, 0), 1, T{});
+  }
+  wgmma_commit();
+}
+
 // The kernel's parameter: the Params and the TMA descriptors, which must live in parameter (or constant)
 // space.
 struct Sm90BwdArgs {
@@ -69,7 +121,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
   using C = Sm90Bwd<T, D>;
   using M = Mma<T>;
   constexpr int kThreads = C::kWarps * 32, kBc = C::kCols, kBr = C::kRows;
-  constexpr int kKD = D / 16, kNQ = kBr / 8, kND = D / 8, kDQ = C::kDQ;
+  constexpr int kNQ = kBr / 8, kND = D / 8, kDQ = C::kDQ;
   extern __shared__ __align__(1024) char smem_raw[];
   const uint32_t raw = smem_u32(smem_raw), s0 = (raw + 1023) & ~1023u;
   const float* s_vec = reinterpret_cast<const float*>(smem_raw + (s0 - raw) + C::kVec);
@@ -174,39 +226,20 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
     // barrier already orders.
     float sc[kNQ][4], dp[kNQ][4];
     if (wg == 1) named_sync(1, kThreads);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kKD; ++kk)
-      wgmma_ss<0, 0>(sc, desc_k(sK, 64 * wg, kk * 16, sizeof(T)), desc_k(q_tile(stage), 0, kk * 16, sizeof(T)), kk > 0,
-                     T{});
-    wgmma_commit();
-#pragma unroll
-    for (int kk = 0; kk < kKD; ++kk)
-      wgmma_ss<0, 0>(dp, desc_k(sV, 64 * wg, kk * 16, sizeof(T)), desc_k(do_tile(stage), 0, kk * 16, sizeof(T)),
-                     kk > 0, T{});
-    wgmma_commit();
+    sm90_bwd_sdp<T, D>(sc, dp, sK, sV, q_tile(stage), do_tile(stage), wg);
     if (wg == 0) named_sync(1, kThreads);
     if (threadIdx.x == kLoader && step + 1 < steps) load_q(walk.next(cur), stage ^ 1);
     wgmma_wait<0>();
     fence_acc(sc);
     fence_acc(dp);
 
-    // Per half of the queries: P^T and dS~^T, then dV += P^T dO and dK += dS~^T Q (16 queries per k-step,
-    // dO and Q read N-major) issued at once, so the first half's products run during the second
-    // half's exps.
-    constexpr int kHalf = kNQ / 2;
+    // Per half of the queries: P^T and dS~^T, then dV += P^T dO and dK += dS~^T Q issued at once, so the
+    // first half's products run during the second half's exps.
     uint32_t pa[kNQ / 2][M::kA], da[kNQ / 2][M::kA];
 #pragma unroll
     for (int hq = 0; hq < 2; ++hq) {
-      const float* vec = s_vec + stage * 3 * kBr + hq * kBr / 2;
-      bwd_scores<T, D, kBc, kBr / 2>(p, pol, *reinterpret_cast<float(*)[kHalf][4]>(sc[hq * kHalf]),
-                                     *reinterpret_cast<float(*)[kHalf][4]>(dp[hq * kHalf]), vec, vec + kBr,
-                                     vec + 2 * kBr, keys, b, h, n0, m0 + hq * kBr / 2, n0 + wkey + g, mask);
-#pragma unroll
-      for (int kq = hq * kHalf / 2; kq < (hq + 1) * kHalf / 2; ++kq) {
-        M::c_to_a(pa[kq], sc[2 * kq], sc[2 * kq + 1]);
-        M::c_to_a(da[kq], dp[2 * kq], dp[2 * kq + 1]);
-      }
+      sm90_bwd_weights<T, D, kBc, kBr>(p, pol, hq, sc, dp, pa, da, s_vec + stage * 3 * kBr, keys, b, h, n0, m0,
+                                       n0 + wkey + g, mask);
       if (hq == 1) {  // dQ ahead of the second half's dV and dK
         // dQ over this warpgroup's own keys first, behind a barrier of its own: warpgroup 0, a turn
         // ahead, has them in the tensor pipe while it waits for warpgroup 1's dS~^T (bench/notes/run-29.md).
@@ -220,13 +253,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
         dq_keys(stage, (wg ^ 1) * kWgSlices, kWgSlices, true);
         wgmma_commit();
       }
-      wgmma_fence();
-#pragma unroll
-      for (int kq = hq * kHalf / 2; kq < (hq + 1) * kHalf / 2; ++kq) {
-        wgmma_rs<1>(dv, pa[kq], desc_mn(do_tile(stage), kq * 16, 0), 1, T{});
-        wgmma_rs<1>(dk, da[kq], desc_mn(q_tile(stage), kq * 16, 0), 1, T{});
-      }
-      wgmma_commit();
+      sm90_bwd_dvdk<T>(dv, dk, pa, da, q_tile(stage), do_tile(stage), hq);
     }
     // dQ to the staging tile once its product is in, while the second half's dV and dK run.
     wgmma_wait<1>();
@@ -255,12 +282,10 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
 template <class T, int D>
 cudaError_t Sm90Bwd<T, D>::run(const Params& p, Score score, cudaStream_t stream) {
   using C = Sm90Bwd<T, D>;
-  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   Sm90BwdArgs args;
   args.p = p;
-  if (!make_tensor_map(&args.q, p.q, kBf16, D, p.I, p.H, p.B, p.q_si, p.q_sh, p.q_sb, C::kRows) ||
-      !make_tensor_map(&args.dout, p.dout, kBf16, D, p.I, p.H, p.B, D, static_cast<int64_t>(p.I) * D,
-                       static_cast<int64_t>(p.H) * p.I * D, C::kRows))
+  if (!operand_map<T, D>(&args.q, p, Operand::kQ, C::kRows) ||
+      !operand_map<T, D>(&args.dout, p, Operand::kDout, C::kRows))
     return run_bwd<T, D>(p, score, stream);
   const int64_t blocks = static_cast<int64_t>(cdiv(p.J, C::kCols)) * p.B * p.Hkv;
   return with_policy(score, [&](auto policy) {

@@ -1,6 +1,6 @@
 // Backward on Hopper (sm_90a) at d64, warp-specialised in the shape of cuDNN's backward kernel
-// (bench/notes/run-38.md): the per-element work (bwd_scores), the transposed products and the dK/dV
-// epilogue of bwd_sm90.cuh, under another schedule.
+// (bench/notes/run-38.md): the per-element work (bwd_scores), the per-step products and weights
+// (sm90_bwd_sdp, sm90_bwd_weights, sm90_bwd_dvdk) and the dK/dV epilogue of bwd_sm90.cuh, under another schedule.
 //
 // One block per (batch, kv head, 128 keys) has three warpgroups and no block barrier after its start:
 //   - a producer warp loads K and V once, then streams each step's Q and dO tiles by TMA through
@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
   using M = Mma<T>;
   const Params& p = args.p;
   constexpr int kBc = C::kCols, kBr = C::kRows, kStages = C::kStages, kPanels = D / 32;
-  constexpr int kKD = D / 16, kNQ = kBr / 8, kND = D / 8;
+  constexpr int kNQ = kBr / 8, kND = D / 8;
   constexpr int kDsFull = 1, kDsEmpty = 3, kPair = 256;  // named barriers (+ dS~ buffer) of the consumers
   extern __shared__ __align__(1024) char smem_raw[];
   const uint32_t raw = smem_u32(smem_raw), s0 = (raw + 1023) & ~1023u;
@@ -135,43 +135,19 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
     const bool dq_turn = wg == buf;  // this warpgroup computes the step's dQ
     mbar_wait(q_full(st), (step / kStages) & 1);
     float sc[kNQ][4], dp[kNQ][4];
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kKD; ++kk)
-      wgmma_ss<0, 0>(sc, desc_k(sK, 64 * wg, kk * 16, sizeof(T)), desc_k(q_tile(st), 0, kk * 16, sizeof(T)), kk > 0,
-                     T{});
-    wgmma_commit();
-#pragma unroll
-    for (int kk = 0; kk < kKD; ++kk)
-      wgmma_ss<0, 0>(dp, desc_k(sV, 64 * wg, kk * 16, sizeof(T)), desc_k(do_tile(st), 0, kk * 16, sizeof(T)), kk > 0,
-                     T{});
-    wgmma_commit();
+    sm90_bwd_sdp<T, D>(sc, dp, sK, sV, q_tile(st), do_tile(st), wg);
     wgmma_wait<0>();
     fence_acc(sc);
     fence_acc(dp);
 
     // Per half of the queries: P^T and dS~^T, then dV += P^T dO and dK += dS~^T Q issued at once, so the
     // first half's products run during the second half's exps.
-    constexpr int kHalf = kNQ / 2;
     uint32_t pa[kNQ / 2][M::kA], da[kNQ / 2][M::kA];
 #pragma unroll
     for (int hq = 0; hq < 2; ++hq) {
-      const float* vec = s_vec + st * 3 * kBr + hq * kBr / 2;
-      bwd_scores<T, D, kBc, kBr / 2>(p, pol, *reinterpret_cast<float(*)[kHalf][4]>(sc[hq * kHalf]),
-                                     *reinterpret_cast<float(*)[kHalf][4]>(dp[hq * kHalf]), vec, vec + kBr,
-                                     vec + 2 * kBr, keys, b, h, n0, m0 + hq * kBr / 2, n0 + wkey + g, mask);
-#pragma unroll
-      for (int kq = hq * kHalf / 2; kq < (hq + 1) * kHalf / 2; ++kq) {
-        M::c_to_a(pa[kq], sc[2 * kq], sc[2 * kq + 1]);
-        M::c_to_a(da[kq], dp[2 * kq], dp[2 * kq + 1]);
-      }
-      wgmma_fence();
-#pragma unroll
-      for (int kq = hq * kHalf / 2; kq < (hq + 1) * kHalf / 2; ++kq) {
-        wgmma_rs<1>(dv, pa[kq], desc_mn(do_tile(st), kq * 16, 0), 1, T{});
-        wgmma_rs<1>(dk, da[kq], desc_mn(q_tile(st), kq * 16, 0), 1, T{});
-      }
-      wgmma_commit();
+      sm90_bwd_weights<T, D, kBc, kBr>(p, pol, hq, sc, dp, pa, da, s_vec + st * 3 * kBr, keys, b, h, n0, m0,
+                                       n0 + wkey + g, mask);
+      sm90_bwd_dvdk<T>(dv, dk, pa, da, q_tile(st), do_tile(st), hq);
     }
     // dS~^T into the step's buffer once the dQ that last read it (step - 2's: the other warpgroup's, or
     // this one's, which it has waited for) is done; then the step's dQ, by the warpgroup whose turn it is.
@@ -212,14 +188,11 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
 template <class T, int D>
 cudaError_t Sm90BwdWs<T, D>::run(const Params& p, Score score, cudaStream_t stream) {
   using C = Sm90BwdWs<T, D>;
-  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   Sm90BwdWsArgs args;
   args.p = p;
-  if (!make_tensor_map(&args.q, p.q, kBf16, D, p.I, p.H, p.B, p.q_si, p.q_sh, p.q_sb, C::kRows) ||
-      !make_tensor_map(&args.dout, p.dout, kBf16, D, p.I, p.H, p.B, D, static_cast<int64_t>(p.I) * D,
-                       static_cast<int64_t>(p.H) * p.I * D, C::kRows) ||
-      !make_tensor_map(&args.k, p.k, kBf16, D, p.J, p.Hkv, p.B, p.k_sj, p.k_sh, p.k_sb, C::kCols) ||
-      !make_tensor_map(&args.v, p.v, kBf16, D, p.J, p.Hkv, p.B, p.v_sj, p.v_sh, p.v_sb, C::kCols))
+  if (!operand_map<T, D>(&args.q, p, Operand::kQ, C::kRows) ||
+      !operand_map<T, D>(&args.dout, p, Operand::kDout, C::kRows) ||
+      !operand_map<T, D>(&args.k, p, Operand::kK, C::kCols) || !operand_map<T, D>(&args.v, p, Operand::kV, C::kCols))
     return run_bwd<T, D>(p, score, stream);
   const int64_t blocks = static_cast<int64_t>(cdiv(p.J, C::kCols)) * p.B * p.Hkv;
   return with_policy(score, [&](auto policy) {

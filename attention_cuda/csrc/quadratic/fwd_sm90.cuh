@@ -14,8 +14,8 @@
 //     S_j's exps are computed; P_j is written into the A registers only once that P V has completed.
 //     (Three warpgroups at d64 lack the registers to hold P through the exps; they wait for both.)
 #pragma once
-#include "../common/wgmma.cuh"
 #include "fwd_sm80.cuh"
+#include "maps.cuh"
 
 namespace attn {
 
@@ -228,12 +228,10 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1)
 template <class T, int D>
 cudaError_t Sm90Fwd<T, D>::run(const Params& p, Score score, cudaStream_t stream) {
   using C = Sm90Fwd<T, D>;
-  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   Sm90FwdArgs args;
   args.p = p;
-  if (!make_tensor_map(&args.q, p.q, kBf16, D, p.I, p.H, p.B, p.q_si, p.q_sh, p.q_sb, C::kRows) ||
-      !make_tensor_map(&args.k, p.k, kBf16, D, p.J, p.Hkv, p.B, p.k_sj, p.k_sh, p.k_sb, C::kCols) ||
-      !make_tensor_map(&args.v, p.v, kBf16, D, p.J, p.Hkv, p.B, p.v_sj, p.v_sh, p.v_sb, C::kCols))
+  if (!operand_map<T, D>(&args.q, p, Operand::kQ, C::kRows) || !operand_map<T, D>(&args.k, p, Operand::kK, C::kCols) ||
+      !operand_map<T, D>(&args.v, p, Operand::kV, C::kCols))
     return run_fwd<T, D>(p, score, stream);
   const int64_t blocks = static_cast<int64_t>(cdiv(p.I, C::kRows)) * p.B * p.H;
   return with_policy(score, [&](auto policy) {
