@@ -47,7 +47,7 @@ if step build; then
     echo "BUILD FAILED: no attention_cuda/_C (build.log)"
     exit 1
   fi
-  grep -E "ptxas (warning|error)|spill|C7514" "$OUT/build.log" | sort | uniq -c | head -20
+  grep -E "ptxas (warning|error)|spill|C751[0-9]" "$OUT/build.log" | sort | uniq -c | head -20
 fi
 
 if step tests; then
