@@ -71,35 +71,40 @@ __device__ __forceinline__ void sm90_bwd_sdp(float (&sc)[kNQ][4], float (&dp)[kN
     wgmma_ss<0, 0>(dp, desc_k(sV, 64 * wg, kk * 16, sizeof(T)), desc_k(sDO, 0, kk * 16, sizeof(T)), kk > 0, T{});
   wgmma_commit();
 }
-// Half hq of the step's queries m0..: P^T and dS~^T in place of S^T and dP^T (bwd_scores, with the
+// The weights and the dV/dK products go in parts of kPartRows of the step's queries, so that one part's
+// products run during the next part's exps.
+constexpr int kPartRows = 32;
+// Part `part` of the step's queries m0..: P^T and dS~^T in place of S^T and dP^T (bwd_scores, with the
 // stage's (stat, delta, 1/|q|) vectors at vec), then as the A operands of dV's and dK's products.
 template <class T, int D, int kBc, int kBr, class Policy>
-__device__ __forceinline__ void sm90_bwd_weights(const Params& p, const Policy& pol, int hq, float (&sc)[kBr / 8][4],
-                                                 float (&dp)[kBr / 8][4], uint32_t (&pa)[kBr / 16][Mma<T>::kA],
+__device__ __forceinline__ void sm90_bwd_weights(const Params& p, const Policy& pol, int part,
+                                                 float (&sc)[kBr / 8][4], float (&dp)[kBr / 8][4],
+                                                 uint32_t (&pa)[kBr / 16][Mma<T>::kA],
                                                  uint32_t (&da)[kBr / 16][Mma<T>::kA], const float* vec,
                                                  const KeyRows& keys, int b, int h, int n0, int m0, int key0,
                                                  const uint8_t* mask) {
-  constexpr int kHalf = kBr / 16;  // column tiles per half
-  vec += hq * kBr / 2;
-  bwd_scores<T, D, kBc, kBr / 2>(p, pol, *reinterpret_cast<float(*)[kHalf][4]>(sc[hq * kHalf]),
-                                 *reinterpret_cast<float(*)[kHalf][4]>(dp[hq * kHalf]), vec, vec + kBr, vec + 2 * kBr,
-                                 keys, b, h, n0, m0 + hq * kBr / 2, key0, mask);
+  constexpr int kTiles = kPartRows / 8;  // column tiles per part
+  vec += part * kPartRows;
+  bwd_scores<T, D, kBc, kPartRows>(p, pol, *reinterpret_cast<float(*)[kTiles][4]>(sc[part * kTiles]),
+                                   *reinterpret_cast<float(*)[kTiles][4]>(dp[part * kTiles]), vec, vec + kBr,
+                                   vec + 2 * kBr, keys, b, h, n0, m0 + part * kPartRows, key0, mask);
 #pragma unroll
-  for (int kq = hq * kHalf / 2; kq < (hq + 1) * kHalf / 2; ++kq) {
+  for (int kq = part * kTiles / 2; kq < (part + 1) * kTiles / 2; ++kq) {
     Mma<T>::c_to_a(pa[kq], sc[2 * kq], sc[2 * kq + 1]);
     Mma<T>::c_to_a(da[kq], dp[2 * kq], dp[2 * kq + 1]);
   }
 }
-// dV += P^T dO and dK += dS~^T Q for half hq of the step's queries (16 per k-step, dO and Q read N-major):
-// one wgmma group.
+// dV += P^T dO and dK += dS~^T Q for part `part` of the step's queries (16 per k-step, dO and Q read
+// N-major): one wgmma group.
 template <class T, int kND, int kKQ>
 __device__ __forceinline__ void sm90_bwd_dvdk(float (&dv)[kND][4], float (&dk)[kND][4],
                                               const uint32_t (&pa)[kKQ][Mma<T>::kA],
                                               const uint32_t (&da)[kKQ][Mma<T>::kA], const SwTile& sQ,
-                                              const SwTile& sDO, int hq) {
+                                              const SwTile& sDO, int part) {
+  constexpr int kSteps = kPartRows / 16;
   wgmma_fence();
 #pragma unroll
-  for (int kq = hq * kKQ / 2; kq < (hq + 1) * kKQ / 2; ++kq) {
+  for (int kq = part * kSteps; kq < (part + 1) * kSteps; ++kq) {
     wgmma_rs<1>(dv, pa[kq], desc_mn(sDO, kq * 16, 0), 1, T{});
     wgmma_rs<1>(dk, da[kq], desc_mn(sQ, kq * 16, 0), 1, T{});
   }
@@ -235,6 +240,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
 
     // Per half of the queries: P^T and dS~^T, then dV += P^T dO and dK += dS~^T Q issued at once, so the
     // first half's products run during the second half's exps.
+    static_assert(kBr == 2 * kPartRows, "two parts a step");
     uint32_t pa[kNQ / 2][M::kA], da[kNQ / 2][M::kA];
 #pragma unroll
     for (int hq = 0; hq < 2; ++hq) {

@@ -8,16 +8,18 @@
 //     and stores. A stage's full mbarrier waits for the tiles' bytes and an arrival from each producer
 //     lane, its empty one for an arrival from each consumer thread: an arrival releases only the
 //     arriving thread's own accesses, and the vectors are read with ordinary loads;
-//   - two consumer warpgroups of 64 keys each compute S^T = K Q^T and dP^T = V dO^T, P^T and dS~^T in
-//     registers, and dV += P^T dO, dK += dS~^T Q from register A operands, and store dS~^T for dQ;
-//   - a step's whole dQ = dS~ K (all D columns, one read of dS~) is computed by one consumer, the two
-//     taking turns by step, and added to dq_accum's tiles (dq_tile_slot) with one 16-byte atomic per
-//     column tile and thread. dS~^T tiles alternate by step; named barriers say when the other
-//     consumer's half of a tile is in (ds_full) and when the dQ that last read a tile is done
-//     (ds_empty).
-// The two-warpgroup kernel's d64 form (cp.async by every thread and a block barrier per step, dQ split by
-// columns and added during the next step) was 3-8% slower (bench/notes/run-38.md); d128's accumulators
-// (dK, dV and a whole dQ of 128 columns) do not fit a consumer's registers, so d128 keeps that kernel.
+//   - two consumer warpgroups of 64 keys each compute, for a step of 128 queries, S^T = K Q^T and
+//     dP^T = V dO^T (m64n128 products), P^T and dS~^T in registers, and dV += P^T dO, dK += dS~^T Q from
+//     register A operands, and store dS~^T for dQ;
+//   - once both halves of dS~^T are in (one named barrier a step), each consumer computes dQ = dS~ K
+//     of 64 of the step's queries (all D columns, over the block's 128 keys) and adds it to that dQ
+//     tile of dq_accum (dq_tile_slot) with one 16-byte atomic per column tile and thread. dS~^T tiles
+//     alternate by step: the dQ that last read a tile (two steps back) was done before both consumers
+//     passed the previous step's barrier.
+// Steps of 64 queries, with one consumer computing a step's whole dQ in turns, were 3-4% slower; the
+// two-warpgroup kernel's d64 form (cp.async by every thread and a block barrier per step, dQ split by
+// columns) 3-8% slower still (bench/notes/run-38.md, run-39.md). d128's accumulators do not fit a
+// consumer's registers at 128 queries a step, so d128 keeps that kernel.
 #pragma once
 #include "bwd_sm90.cuh"
 
@@ -28,7 +30,8 @@ struct Sm90BwdWs {
   using Tl = Tiles<T, D>;
   static constexpr bool kSupported = Tl::kSm90 && Tl::kRow.sm90_bwd_ws;
   static cudaError_t run(const Params& p, Score score, cudaStream_t stream);  // the launch, after the kernel
-  static constexpr int kCols = 128, kRows = 64, kStages = 3, kThreads = 384;
+  // Two stages instead of three were 1-3% slower (bench/notes/run-39.md).
+  static constexpr int kCols = 128, kRows = 128, kStages = 3, kThreads = 384;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static constexpr int kTileK = kCols * D * sizeof(T), kTileQ = kRows * D * sizeof(T);
   static constexpr int kTileS = kCols * kRows * sizeof(T), kVecBytes = 3 * kRows * 4;
@@ -38,7 +41,7 @@ struct Sm90BwdWs {
   static constexpr int kK = 0, kV = kTileK, kQ = 2 * kTileK, kDO = kQ + kStages * kTileQ;
   static constexpr int kDS = kDO + kStages * kTileQ, kVec = kDS + 2 * kTileS, kBar = kVec + kStages * kVecBytes;
   static constexpr int kBytes = kBar + 8 * (1 + 2 * kStages) + 1024;
-  static_assert(kRows == kDqTileRows, "dQ's tiles (dq_tile_slot) are one step of queries");
+  static_assert(kRows == 2 * kDqTileRows, "dQ's tiles (dq_tile_slot): one a consumer");
   static_assert(!kSupported || kBytes <= 227 * 1024, "shared memory");
 };
 
@@ -56,7 +59,7 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
   const Params& p = args.p;
   constexpr int kBc = C::kCols, kBr = C::kRows, kStages = C::kStages, kPanels = D / 32;
   constexpr int kNQ = kBr / 8, kND = D / 8;
-  constexpr int kDsFull = 1, kDsEmpty = 3, kPair = 256;  // named barriers (+ dS~ buffer) of the consumers
+  constexpr int kDsFull = 1, kPair = 256;  // the consumers' named barrier: both halves of dS~^T are in
   extern __shared__ __align__(1024) char smem_raw[];
   const uint32_t raw = smem_u32(smem_raw), s0 = (raw + 1023) & ~1023u;
   const SwTile sK{s0 + C::kK, kBc}, sV{s0 + C::kV, kBc};
@@ -132,7 +135,6 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
   Pos cur = walk.first();
   for (int step = 0; step < steps; ++step) {
     const int st = step % kStages, buf = step & 1, h = cur.h, m0 = cur.m0;
-    const bool dq_turn = wg == buf;  // this warpgroup computes the step's dQ
     mbar_wait(q_full(st), (step / kStages) & 1);
     float sc[kNQ][4], dp[kNQ][4];
     sm90_bwd_sdp<T, D>(sc, dp, sK, sV, q_tile(st), do_tile(st), wg);
@@ -140,40 +142,34 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
     fence_acc(sc);
     fence_acc(dp);
 
-    // Per half of the queries: P^T and dS~^T, then dV += P^T dO and dK += dS~^T Q issued at once, so the
-    // first half's products run during the second half's exps.
+    // Per part of the queries: P^T and dS~^T, then dV += P^T dO and dK += dS~^T Q issued at once, so a
+    // part's products run during the next part's exps.
     uint32_t pa[kNQ / 2][M::kA], da[kNQ / 2][M::kA];
 #pragma unroll
-    for (int hq = 0; hq < 2; ++hq) {
-      sm90_bwd_weights<T, D, kBc, kBr>(p, pol, hq, sc, dp, pa, da, s_vec + st * 3 * kBr, keys, b, h, n0, m0,
+    for (int part = 0; part < kBr / kPartRows; ++part) {
+      sm90_bwd_weights<T, D, kBc, kBr>(p, pol, part, sc, dp, pa, da, s_vec + st * 3 * kBr, keys, b, h, n0, m0,
                                        n0 + wkey + g, mask);
-      sm90_bwd_dvdk<T>(dv, dk, pa, da, q_tile(st), do_tile(st), hq);
+      sm90_bwd_dvdk<T>(dv, dk, pa, da, q_tile(st), do_tile(st), part);
     }
-    // dS~^T into the step's buffer once the dQ that last read it (step - 2's: the other warpgroup's, or
-    // this one's, which it has waited for) is done; then the step's dQ, by the warpgroup whose turn it is.
-    if (!dq_turn && step >= 2) named_sync(kDsEmpty + buf, kPair);
+    // dS~^T into the step's buffer, then, with the other half in, dQ of this warpgroup's 64 queries.
     store_ds_sm90<T>(ds_tile(buf), da, wkey);
     fence_proxy_async();
+    named_sync(kDsFull, kPair);
     float dqa[kND][4];
-    if (dq_turn) {
-      named_sync(kDsFull + buf, kPair);
-      wgmma_fence();
+    wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kBc / 16; ++kk)
-        wgmma_ss<1, 1>(dqa, desc_mn(ds_tile(buf), kk * 16, 0), desc_mn(sK, kk * 16, 0), kk > 0, T{});
-      wgmma_commit();
-    } else {
-      named_arrive(kDsFull + buf, kPair);
-    }
+    for (int kk = 0; kk < kBc / 16; ++kk)
+      wgmma_ss<1, 1>(dqa, desc_mn(ds_tile(buf), kk * 16, 2 * wg), desc_mn(sK, kk * 16, 0), kk > 0, T{});
+    wgmma_commit();
     wgmma_wait<0>();
     fence_acc(dk);
     fence_acc(dv);
     mbar_arrive(q_empty(st));  // Q, dO and the vectors are read
-    if (dq_turn) {
+    const int m_dq = m0 + kDqTileRows * wg;  // this warpgroup's dQ tile
+    if (m_dq < p.I) {
       fence_acc(dqa);
-      if (step + 2 < steps) named_arrive(kDsEmpty + buf, kPair);
       // The accumulator's registers are dq_tile_slot's 16-byte slots: column tile n, this thread.
-      float* dst = p.dq_accum + (static_cast<int64_t>(b * p.H + h) * dq_tiled_rows(p.I) + m0) * D;
+      float* dst = p.dq_accum + (static_cast<int64_t>(b * p.H + h) * dq_tiled_rows(p.I) + m_dq) * D;
 #pragma unroll
       for (int n = 0; n < kND; ++n)
         red_add4(dst + (n * 128 + threadIdx.x % 128) * 4, dqa[n][0], dqa[n][1], dqa[n][2], dqa[n][3]);
