@@ -49,7 +49,10 @@ if step build; then
     echo "BUILD FAILED: no attention_cuda/_C (build.log)"
     exit 1
   fi
-  grep -E "ptxas (warning|error)| [1-9][0-9]* bytes spill|C751[0-9]" "$OUT/build.log" | sort | uniq -c | head -20
+  grep -E "ptxas (warning|error)|C751[0-9]" "$OUT/build.log" | sort | uniq -c | head -20
+  # Nonzero spills, each with its kernel (ptxas names the function on the line before its counts).
+  awk '/Function properties for/ { f = $NF } / [1-9][0-9]* bytes spill/ { print f ":" $0 }' "$OUT/build.log" \
+    | (c++filt 2>/dev/null || cat) | sort | uniq -c | head -40
 fi
 
 if step tests; then
