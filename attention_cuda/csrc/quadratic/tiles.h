@@ -19,10 +19,10 @@ struct HeadDimTiles {
   // The wgmma kernels (sm_90a, fp16/bf16 only), where sm90 is set:
   //  - forward: consumer warpgroups of 64 query rows. At d64 a warpgroup's exps take about as long as
   //    its products, so a third warpgroup keeps the tensor cores fed; d128 has registers for two;
-  //  - backward, ws: the warp-specialised kernel (bwd_ws_sm90.cuh: a producer warp, no block barrier, a
-  //    step's whole dQ by one consumer warpgroup in turn), faster at d64 (bench/notes/run-38.md); at
-  //    d128 a consumer has no registers for a whole dQ beside dK and dV, and the two-warpgroup kernel
-  //    (bwd_sm90.cuh) splits dQ by columns.
+  //  - backward, ws: the warp-specialised kernel (bwd_ws_sm90.cuh: a producer warp, no block barrier,
+  //    steps of 128 queries), faster at d64 (bench/notes/run-38.md, run-39.md); at d128 a consumer has
+  //    no registers for its accumulators at that step, and the two-warpgroup kernel (bwd_sm90.cuh)
+  //    splits dQ by columns.
   bool sm90;
   int sm90_fwd_wgs;
   bool sm90_bwd_ws;
