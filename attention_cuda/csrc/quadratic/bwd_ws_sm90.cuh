@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
         tma_load_tile<kPanels>(sK, &args.k, kv_full, n0, hk, b);
         tma_load_tile<kPanels>(sV, &args.v, kv_full, n0, hk, b);
       }
-      auto copy_vec = [&](const float* src, uint32_t dst, int n) {  // kBr floats, 16 lanes x 4; zeros from n
+      auto copy_vec = [&](const float* src, uint32_t dst, int n) {  // kBr floats, a lane 4 of them; zeros from n
         if (lane < kBr / 4) {
           float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
           if (4 * lane < n) x = *reinterpret_cast<const float4*>(src + 4 * lane);
