@@ -284,7 +284,19 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
 #endif
 }
 
-// One CTA per (key tile, batch, kv head).
+// The launch of both Hopper backwards: one CTA per (key tile of `cols` keys, batch, kv head) of
+// kernel_of(policy) for the score's policy, then dQ's epilogue over the tiled buffer.
+template <class T, int D, class Args, class KernelOf>
+cudaError_t launch_sm90_bwd(const Params& p, Score score, const Args& args, int cols, int threads, int bytes,
+                            KernelOf kernel_of, cudaStream_t stream) {
+  const int64_t blocks = static_cast<int64_t>(cdiv(p.J, cols)) * p.B * p.Hkv;
+  return with_policy(score, [&](auto policy) {
+    const cudaError_t err = launch(kernel_of(policy), blocks, threads, bytes, args, stream);
+    return err != cudaSuccess ? err : run_dq_finalize(dtype_of<T>(), p, D, true, stream);
+  });
+}
+
+// Falls back to the mma.sync backward where TMA cannot describe q or dO.
 template <class T, int D>
 cudaError_t Sm90Bwd<T, D>::run(const Params& p, Score score, cudaStream_t stream) {
   using C = Sm90Bwd<T, D>;
@@ -293,12 +305,9 @@ cudaError_t Sm90Bwd<T, D>::run(const Params& p, Score score, cudaStream_t stream
   if (!operand_map<T, D>(&args.q, p, Operand::kQ, C::kRows) ||
       !operand_map<T, D>(&args.dout, p, Operand::kDout, C::kRows))
     return run_bwd<T, D>(p, score, stream);
-  const int64_t blocks = static_cast<int64_t>(cdiv(p.J, C::kCols)) * p.B * p.Hkv;
-  return with_policy(score, [&](auto policy) {
-    const cudaError_t err =
-        launch(bwd_sm90_kernel<T, D, typename decltype(policy)::type>, blocks, C::kWarps * 32, C::kBytes, args, stream);
-    return err != cudaSuccess ? err : run_dq_finalize(dtype_of<T>(), p, D, true, stream);
-  });
+  return launch_sm90_bwd<T, D>(p, score, args, C::kCols, C::kWarps * 32, C::kBytes, [](auto policy) {
+    return &bwd_sm90_kernel<T, D, typename decltype(policy)::type>;
+  }, stream);
 }
 
 }  // namespace attn

@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
 #endif
 }
 
-// One CTA per (key tile, batch, kv head); the mma.sync backward where TMA cannot describe q, k, v or dO.
+// Falls back to the mma.sync backward where TMA cannot describe q, k, v or dO.
 template <class T, int D>
 cudaError_t Sm90BwdWs<T, D>::run(const Params& p, Score score, cudaStream_t stream) {
   using C = Sm90BwdWs<T, D>;
@@ -190,12 +190,9 @@ cudaError_t Sm90BwdWs<T, D>::run(const Params& p, Score score, cudaStream_t stre
       !operand_map<T, D>(&args.dout, p, Operand::kDout, C::kRows) ||
       !operand_map<T, D>(&args.k, p, Operand::kK, C::kCols) || !operand_map<T, D>(&args.v, p, Operand::kV, C::kCols))
     return run_bwd<T, D>(p, score, stream);
-  const int64_t blocks = static_cast<int64_t>(cdiv(p.J, C::kCols)) * p.B * p.Hkv;
-  return with_policy(score, [&](auto policy) {
-    const cudaError_t err = launch(bwd_ws_sm90_kernel<T, D, typename decltype(policy)::type>, blocks, C::kThreads,
-                                   C::kBytes, args, stream);
-    return err != cudaSuccess ? err : run_dq_finalize(dtype_of<T>(), p, D, true, stream);
-  });
+  return launch_sm90_bwd<T, D>(p, score, args, C::kCols, C::kThreads, C::kBytes, [](auto policy) {
+    return &bwd_ws_sm90_kernel<T, D, typename decltype(policy)::type>;
+  }, stream);
 }
 
 }  // namespace attn
