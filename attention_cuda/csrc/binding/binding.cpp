@@ -264,7 +264,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_bwd(const Tensor& dout, const Te
   const Tensor dout_c = rows_aligned(dout.contiguous()), out_c = rows_aligned(out.contiguous());
   const Tensor stat_c = rows_aligned(stat.contiguous());
   const auto f32 = q.options().dtype(at::kFloat);
-  Tensor delta = at::empty({c.B, c.H, p.i_pad}, f32);
+  Tensor rows = at::empty({3, c.B, c.H, p.i_pad}, f32);  // qscale, dp_scale, dp_offset (run_delta)
   Tensor dq_accum = at::zeros({attn::dq_accum_size(c.B, c.H, c.I, c.D)}, f32);
   Tensor dq = at::empty({c.B, c.H, c.I, c.D}, q.options());
   Tensor dk = at::empty({c.B, c.Hkv, c.J, c.D}, q.options());
@@ -272,7 +272,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_bwd(const Tensor& dout, const Te
   Tensor dbias = bias_grad ? at::zeros({c.B, c.H, c.I, c.J}, q.options()) : at::empty({0}, q.options());
   if (qk_norm) p.rq = rq.data_ptr<float>(), p.rk = rk.data_ptr<float>();
   p.o = out_c.data_ptr(), p.stat = stat_c.data_ptr<float>();
-  p.dout = dout_c.data_ptr(), p.delta = delta.data_ptr<float>(), p.dq_accum = dq_accum.data_ptr<float>();
+  p.dout = dout_c.data_ptr(), p.dq_accum = dq_accum.data_ptr<float>();
+  p.qscale = rows[0].data_ptr<float>(), p.dp_scale = rows[1].data_ptr<float>(), p.dp_offset = rows[2].data_ptr<float>();
   p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
   p.dbias = bias_grad ? dbias.data_ptr() : nullptr;
   // A backward block streams its group's Q, dO and fp32 dQ rows.

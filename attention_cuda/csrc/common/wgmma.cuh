@@ -19,6 +19,12 @@
 
 namespace attn {
 
+// Swizzled tiles start at multiples of 1024 bytes (the swizzle pattern's period): a kernel's layout starts
+// at swizzle_base of its dynamic shared memory, which starts 16-byte aligned, so getting there costs at
+// most kSwizzleSlack bytes.
+constexpr int kSwizzleSlack = 1024 - 16;
+__device__ __forceinline__ uint32_t swizzle_base(const void* smem) { return (smem_u32(smem) + 1023) & ~1023u; }
+
 // A tile of `rows` rows in the swizzled panel layout; at() has the interface of Tile::at.
 struct SwTile {
   uint32_t base;  // 1024-byte aligned

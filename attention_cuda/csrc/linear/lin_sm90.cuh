@@ -78,7 +78,7 @@ struct LinState90 {
   static constexpr int kWgs = 2, kRows = 128, kThreads = 128 * kWgs, kStages = D <= 64 ? 3 : 2;
   static constexpr int kXPanels = ((D + 16) * 2 + 63) / 64;
   static constexpr int kW = F::kPanels * 64 * kRows, kX = kXPanels * 64 * kRows, kStage = kW + kX;
-  static constexpr int kBytes = kStages * kStage + 8 * kStages + 1024;  // stages, mbarriers, alignment
+  static constexpr int kBytes = kStages * kStage + 8 * kStages + kSwizzleSlack;  // stages, mbarriers, alignment
 };
 
 // The kernel's parameter: the rows' tensor maps, which must live in parameter space, and the Params.
@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(LinState90<T, D>::kThreads)
   using M = Mma<T>;
   constexpr int kN = F::kDw, kTiles = C::kTiles, kRows = C::kRows, kStages = C::kStages;
   extern __shared__ __align__(16) char smem_raw[];
-  const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;
+  const uint32_t base = swizzle_base(smem_raw);
   const int warp = warp_index() % 4, lane = lane_id(), g = lane / 4, tq = lane % 4;
   const int tiles = F::tiles(p.second), tile0 = (blockIdx.x * C::kWgs + warp_index() / 4) * kTiles;
   const int b = blockIdx.y / p.Hkv, hkv = blockIdx.y % p.Hkv;
@@ -223,7 +223,7 @@ struct LinRead90 {
   static constexpr int kXPitch = (D + 16) * 2 + 16;
   // dq's pitch D + 8: a quad's float2 at columns 2 tq of rows g fill all 32 banks per half warp.
   static constexpr int kDqPitch = D + 8, kX = kRows * kXPitch, kDq = kR2 ? kRows * kDqPitch * 4 : 0;
-  static constexpr int kFixed = (kR2 ? 2 : 1) * kX + kDq + 1024 + 256;  // x, g, dq, alignment, barriers
+  static constexpr int kFixed = (kR2 ? 2 : 1) * kX + kDq + kSwizzleSlack + 256;  // x, g, dq, alignment, barriers
   static constexpr int kFit = (227 * 1024 / kBlocks - kFixed) / F::kTileBytes;
   static constexpr int kStages = kFit < 4 ? kFit : 4;
   static constexpr int kBytes = kStages * F::kTileBytes + kFixed;
@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(LinRead90<T, D, kR1, kR2>::kThreads, (LinRead9
   using M = Mma<T>;
   constexpr int kN = F::kDw, kStages = C::kStages, kDp = D + 16, kNb = F::kNb;
   extern __shared__ __align__(16) char smem_raw[];
-  const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;
+  const uint32_t base = swizzle_base(smem_raw);
   char* const gbase = smem_raw + (base - smem_u32(smem_raw));
   const int tiles = F::tiles(p.second);
   const int blocks = p.L / C::kRows, c = blockIdx.x / blocks, t0 = (blockIdx.x % blocks) * C::kRows;

@@ -13,13 +13,27 @@
 
 namespace attn {
 
+// A backward step's per-query vectors (Params), kBwdVecs runs of the step's query count of floats in
+// shared memory, in the order of bwd_vec_source: every backward kernel copies them in a stage with its
+// Q and dO tiles.
+constexpr int kBwdVecs = 4;
+__device__ __forceinline__ const float* bwd_vec_source(const Params& p, int i) {
+  return i == 0 ? p.stat : i == 1 ? p.dp_offset : i == 2 ? p.dp_scale : p.qscale;
+}
+// The same vectors as bwd_scores reads them: `stride` floats apart from `v`.
+struct StepVecs {
+  const float *stat, *dp_offset, *dp_scale, *qscale;
+  __device__ StepVecs(const float* v, int stride)
+      : stat(v), dp_offset(v + stride), dp_scale(v + 2 * stride), qscale(v + 3 * stride) {}
+};
+
 template <class T, int D>
-struct BwdSmem {  // K | V | 2 x Q | 2 x dO | 2 x dS^T | 2 x (stat, delta, 1/|q|) vectors
+struct BwdSmem {  // K | V | 2 x Q | 2 x dO | 2 x dS^T | 2 x the step's vectors
   using C = BwdConfig<T, D>;
   static constexpr int kPitch = D * sizeof(T) + 16, kSPitch = C::kRows * sizeof(T) + 16;
   static constexpr int kK = 0, kV = C::kCols * kPitch, kQ = kV + C::kCols * kPitch;
   static constexpr int kDO = kQ + 2 * C::kRows * kPitch, kDS = kDO + 2 * C::kRows * kPitch;
-  static constexpr int kVec = kDS + 2 * C::kCols * kSPitch, kBytes = kVec + 2 * 3 * C::kRows * 4;
+  static constexpr int kVec = kDS + 2 * C::kCols * kSPitch, kBytes = kVec + 2 * kBwdVecs * C::kRows * 4;
 };
 
 // What a thread needs about its two keys, key0 and key0 + 8 (rows g and g + 8 of its warp's 16).
@@ -39,32 +53,30 @@ struct KeyRows {
 };
 
 // One warp's 16 keys x kBr queries m0.. of a backward step, from S^T = K Q^T (sc) and dP^T = V dO^T (dp)
-// in the m16n8 accumulator layout: on return sc holds P^T and dp holds dS~^T. v_stat, v_delta, v_rq:
-// the queries' stat, delta and 1/|q|; key0 = this thread's first key (g of the warp's 16). after_tile(nq)
-// runs once each column tile's weights are done (the Hopper backward spreads its dQ atomics there).
+// in the m16n8 accumulator layout: on return sc holds P^T and dp holds dS~^T. vec: the queries' vectors
+// (Params, StepVecs); key0 = this thread's first key (g of the warp's 16). after_tile(nq) runs once each
+// column tile's weights are done (the Hopper backward spreads its dQ atomics there).
 struct NoHook {
   __device__ void operator()(int) const {}
 };
 template <class T, int D, int kBc, int kBr, class Policy, class Hook = NoHook>
 __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, float (&sc)[kBr / 8][4],
-                                           float (&dp)[kBr / 8][4], const float* v_stat, const float* v_delta,
-                                           const float* v_rq, const KeyRows& keys, int b, int h, int n0, int m0,
-                                           int key0, const uint8_t* mask, const Hook& after_tile = Hook{}) {
+                                           float (&dp)[kBr / 8][4], const StepVecs& vec, const KeyRows& keys,
+                                           int b, int h, int n0, int m0, int key0, const uint8_t* mask,
+                                           const Hook& after_tile = Hook{}) {
   constexpr int kNQ = kBr / 8;
   const int tq = lane_id() % 4;
   // Logits y with hidden pairs at -inf (the forward's visibility rules), then P and dL/dx per
   // element. With the qk norm the keys are the forward's unit rows k/|k| (attn_fwd), so dS~ = dL/dx *
-  // dy/d(q.k) = dL/dx * alpha rq flows into dK (to k/|k|, which bwd_store_dkdv takes back to k) and dQ.
-  // The weights repeat the forward's arithmetic: scale = alpha rq per query and, for a policy whose
-  // backward works on y - offset (kBwdOffset), on tiles without edges or bias one fused FMA
+  // dy/d(q.k) = dL/dx * qscale flows into dK (to k/|k|, which bwd_store_dkdv takes back to k) and dQ.
+  // The weights repeat the forward's arithmetic: scale = qscale = alpha rq per query and, for a policy
+  // whose backward works on y - offset (kBwdOffset), on tiles without edges or bias one fused FMA
   // s * scale - offset; elsewhere the offset comes off after the bias.
-  float2 arq[kNQ];  // alpha/|q| of this thread's two queries in each column tile
+  auto pair = [&](const float* v, int nq) { return *reinterpret_cast<const float2*>(v + nq * 8 + 2 * tq); };
+  float2 qs[kNQ];  // qscale of this thread's two queries in each column tile
 #pragma unroll
-  for (int nq = 0; nq < kNQ; ++nq) {
-    const float2 rq2 = p.rq ? *reinterpret_cast<const float2*>(v_rq + nq * 8 + 2 * tq) : make_float2(1.f, 1.f);
-    arq[nq] = make_float2(p.score.alpha * rq2.x, p.score.alpha * rq2.y);
-  }
-  auto scale_of = [&](int nq, int e) { return (e & 1) ? arq[nq].y : arq[nq].x; };
+  for (int nq = 0; nq < kNQ; ++nq) qs[nq] = pair(vec.qscale, nq);
+  auto scale_of = [&](int nq, int e) { return (e & 1) ? qs[nq].y : qs[nq].x; };
   auto each_score = [&](auto&& f) {  // f(nq, e) for each of the thread's scores
 #pragma unroll
     for (int nq = 0; nq < kNQ; ++nq)
@@ -104,12 +116,11 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
     }
   }
   if (kOffset && (edge || bias)) each_score([&](int nq, int e) { sc[nq][e] -= Policy::bwd_offset(p.score); });
-  // P and dL/dx per element; dL/dx is also d(loss)/d(bias) for the rare dbias store, before it is
-  // scaled into dS~ (a separate loop keeps the store's index tests off the common path).
+  // P and dS~ per element: dL/dx of g = dP dp_scale - dp_offset, one FMA (Params). That is dS~ itself,
+  // or, where dL/dx is stored as the bias gradient, dL/dx, scaled into dS~ after the store.
 #pragma unroll
   for (int nq = 0; nq < kNQ; ++nq) {
-    const float2 stat2 = *reinterpret_cast<const float2*>(v_stat + nq * 8 + 2 * tq);
-    const float2 delta2 = *reinterpret_cast<const float2*>(v_delta + nq * 8 + 2 * tq);
+    const float2 stat2 = pair(vec.stat, nq), off2 = pair(vec.dp_offset, nq), mul2 = pair(vec.dp_scale, nq);
     float P[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) P[e] = pol.bwd_weight(sc[nq][e], (e & 1) ? stat2.y : stat2.x);
@@ -122,8 +133,9 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float y = sc[nq][e], stat = (e & 1) ? stat2.y : stat2.x, delta = (e & 1) ? delta2.y : delta2.x;
-      dp[nq][e] = pol.dlogit(P[e], y, dp[nq][e] - delta, stat);
+      const bool odd = e & 1;
+      const float y = sc[nq][e], stat = odd ? stat2.y : stat2.x;
+      dp[nq][e] = pol.dlogit(P[e], y, fmaf(dp[nq][e], odd ? mul2.y : mul2.x, -(odd ? off2.y : off2.x)), stat);
       sc[nq][e] = P[e];
     }
     after_tile(nq);
@@ -138,9 +150,9 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
     each_score([&](int nq, int e) {
       const int t = query_of(nq, e), s = key0 + 8 * (e >> 1);
       if (t < p.I && s < p.J) dbias[static_cast<int64_t>(t) * p.J + s] = Elem<T>::from_float(dp[nq][e]);
+      dp[nq][e] *= scale_of(nq, e);
     });
   }
-  each_score([&](int nq, int e) { dp[nq][e] *= scale_of(nq, e); });
 }
 
 // dK = c rk (W - (u.W) u) (the l2norm's backward, from W, the gradient to the unit rows u = k/|k| still
@@ -218,8 +230,8 @@ struct BwdWalk {
   }
   __device__ const uint8_t* mask() const { return p.mask ? p.mask + b * p.mask_sb : nullptr; }
 
-  // cp.async of the block's K and V tiles, and of one step's Q and dO tiles with their (stat, delta,
-  // 1/|q|) vectors (kBr floats each from `vec`), into tiles of any layout.
+  // cp.async of the block's K and V tiles, and of one step's Q and dO tiles with their vectors (kBr
+  // floats each from `vec`), into tiles of any layout.
   template <class Tl>
   __device__ void load_kv(Tl sK, Tl sV) const {
     constexpr int kRowBytes = D * sizeof(T);
@@ -240,9 +252,8 @@ struct BwdWalk {
     cp_tile<kBr, kRowBytes, kThreads>(sDO, reinterpret_cast<const char*>(dout + at.m0 * D), kRowBytes, p.I - at.m0,
                                       dout);
     const int64_t row = static_cast<int64_t>(b * p.H + at.h) * p.i_pad + at.m0;
-    cp_floats<kBr>(vec, p.stat + row, p.i_pad - at.m0);
-    cp_floats<kBr>(vec + kBr * 4, p.delta + row, p.i_pad - at.m0);
-    if (p.rq) cp_floats<kBr>(vec + 2 * kBr * 4, p.rq + row, p.i_pad - at.m0);
+#pragma unroll
+    for (int i = 0; i < kBwdVecs; ++i) cp_floats<kBr>(vec + i * kBr * 4, bwd_vec_source(p, i) + row, p.i_pad - at.m0);
   }
 };
 
@@ -295,7 +306,7 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(co
   using Pos = typename BwdWalk<T, D, kBc, kBr, kThreads>::Pos;
   auto load_q = [&](Pos at, int stage) {
     walk.load_q(at, Tile{s0 + S::kQ + stage * kBr * S::kPitch, S::kPitch},
-                Tile{s0 + S::kDO + stage * kBr * S::kPitch, S::kPitch}, s0 + S::kVec + stage * 3 * kBr * 4);
+                Tile{s0 + S::kDO + stage * kBr * S::kPitch, S::kPitch}, s0 + S::kVec + stage * kBwdVecs * kBr * 4);
   };
   walk.load_kv(sK, sV);
   Pos cur = walk.first(), prev = cur;
@@ -384,8 +395,8 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(co
       }
     }
 
-    const float* vec = s_vec + stage * 3 * kBr;
-    bwd_scores<T, D, kBc, kBr>(p, pol, sc, dp, vec, vec + kBr, vec + 2 * kBr, keys, b, h, n0, m0, n0 + wkey + g, mask);
+    bwd_scores<T, D, kBc, kBr>(p, pol, sc, dp, StepVecs(s_vec + stage * kBwdVecs * kBr, kBr), keys, b, h, n0, m0,
+                               n0 + wkey + g, mask);
 
     // dV += P^T dO and dK += dS~^T Q, 16 queries per k-step.
 #pragma unroll

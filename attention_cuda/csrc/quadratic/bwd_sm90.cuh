@@ -29,15 +29,15 @@ struct Sm90Bwd {
   static constexpr int kWarps = Tl::kSm90BwdWarps, kCols = Tl::kSm90BwdCols, kRows = Tl::kSm90BwdRows, kDQ = D / 2;
   static constexpr int kTileK = kCols * D * sizeof(T), kTileQ = kRows * D * sizeof(T);
   static constexpr int kTileS = kCols * kRows * sizeof(T);
-  // K | V | 2 x Q | 2 x dO | 2 x dS~^T | 2 x (stat, delta, 1/|q|) | one dQ tile (fp32, dq_tile_slot's
+  // K | V | 2 x Q | 2 x dO | 2 x dS~^T | 2 x the step's vectors | one dQ tile (fp32, dq_tile_slot's
   // order) | two mbarriers, every tile 1024-byte aligned (the swizzle
   // pattern's period), plus the slack to align the dynamic shared memory's start. One dQ tile keeps
-  // d128 (199,184 bytes) within the 196 KB shared-memory carve-out, which leaves L1 60 KB; two tiles
+  // d128 (199,680 bytes) within the 196 KB shared-memory carve-out, which leaves L1 60 KB; two tiles
   // need the 228 KB one, which leaves 28 KB, and the same kernel ran slower with the smaller L1
   // (bench/notes/run-18.md).
   static constexpr int kK = 0, kV = kTileK, kQ = 2 * kTileK, kDO = kQ + 2 * kTileQ, kDS = kDO + 2 * kTileQ;
-  static constexpr int kVec = kDS + 2 * kTileS, kDQS = kVec + 2 * 3 * kRows * 4, kTileDQ = kRows * D * 4;
-  static constexpr int kBar = kDQS + kTileDQ, kBytes = kBar + 16 + 1024;
+  static constexpr int kVec = kDS + 2 * kTileS, kDQS = kVec + 2 * kBwdVecs * kRows * 4, kTileDQ = kRows * D * 4;
+  static constexpr int kBar = kDQS + kTileDQ, kBytes = kBar + 16 + kSwizzleSlack;
   static_assert(kRows == kDqTileRows, "dQ's tiles (dq_tile_slot) are one step of queries");
   static_assert(!kSupported || kBytes + 1024 <= 196 * 1024,
                 "the 196 KB carve-out, with the 1 KB the system reserves");
@@ -75,7 +75,7 @@ __device__ __forceinline__ void sm90_bwd_sdp(float (&sc)[kNQ][4], float (&dp)[kN
 // products run during the next part's exps.
 constexpr int kPartRows = 32;
 // Part `part` of the step's queries m0..: P^T and dS~^T in place of S^T and dP^T (bwd_scores, with the
-// stage's (stat, delta, 1/|q|) vectors at vec), then as the A operands of dV's and dK's products.
+// stage's vectors at vec, StepVecs), then as the A operands of dV's and dK's products.
 template <class T, int D, int kBc, int kBr, class Policy>
 __device__ __forceinline__ void sm90_bwd_weights(const Params& p, const Policy& pol, int part,
                                                  float (&sc)[kBr / 8][4], float (&dp)[kBr / 8][4],
@@ -84,10 +84,10 @@ __device__ __forceinline__ void sm90_bwd_weights(const Params& p, const Policy& 
                                                  const KeyRows& keys, int b, int h, int n0, int m0, int key0,
                                                  const uint8_t* mask) {
   constexpr int kTiles = kPartRows / 8;  // column tiles per part
-  vec += part * kPartRows;
   bwd_scores<T, D, kBc, kPartRows>(p, pol, *reinterpret_cast<float(*)[kTiles][4]>(sc[part * kTiles]),
-                                   *reinterpret_cast<float(*)[kTiles][4]>(dp[part * kTiles]), vec, vec + kBr,
-                                   vec + 2 * kBr, keys, b, h, n0, m0 + part * kPartRows, key0, mask);
+                                   *reinterpret_cast<float(*)[kTiles][4]>(dp[part * kTiles]),
+                                   StepVecs(vec + part * kPartRows, kBr), keys, b, h, n0, m0 + part * kPartRows,
+                                   key0, mask);
 #pragma unroll
   for (int kq = part * kTiles / 2; kq < (part + 1) * kTiles / 2; ++kq) {
     Mma<T>::c_to_a(pa[kq], sc[2 * kq], sc[2 * kq + 1]);
@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
   constexpr int kThreads = C::kWarps * 32, kBc = C::kCols, kBr = C::kRows;
   constexpr int kNQ = kBr / 8, kND = D / 8, kDQ = C::kDQ;
   extern __shared__ __align__(1024) char smem_raw[];
-  const uint32_t raw = smem_u32(smem_raw), s0 = (raw + 1023) & ~1023u;
+  const uint32_t raw = smem_u32(smem_raw), s0 = swizzle_base(smem_raw);
   const float* s_vec = reinterpret_cast<const float*>(smem_raw + (s0 - raw) + C::kVec);
   const SwTile sK{s0 + C::kK, kBc}, sV{s0 + C::kV, kBc};
   auto q_tile = [&](int stage) { return SwTile{s0 + C::kQ + stage * C::kTileQ, kBr}; };
@@ -141,22 +141,21 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
   const int warp = warp_index(), g = threadIdx.x % 32 / 4;
   const int wg = warp / 4, wkey = warp * 16;  // warpgroup wg: keys 64 wg ..; this warp: 16 of them
   using Pos = typename BwdWalk<T, D, kBc, kBr, kThreads>::Pos;
-  // A step's Q and dO tiles and (stat, delta, 1/|q|) vectors into a stage: TMA boxes, one per 64-byte
+  // A step's Q and dO tiles and vectors (bwd_vec_source) into a stage: TMA boxes, one per 64-byte
   // panel (rows past the end arrive as zeros), and bulk copies of the vectors up to i_pad, all completing
   // on the stage's mbarrier, issued by one thread of warpgroup 1 once its products for the step are out.
   constexpr int kLoader = 128;
   const uint32_t full = s0 + C::kBar;
   auto load_q = [&](Pos at, int stage) {
-    const uint32_t vec = s0 + C::kVec + stage * 3 * kBr * 4;
+    const uint32_t vec = s0 + C::kVec + stage * kBwdVecs * kBr * 4;
     const uint32_t bar = full + 8 * stage;
     const int64_t row = static_cast<int64_t>(b * p.H + at.h) * p.i_pad + at.m0;
     const int vec_bytes = min(kBr, p.i_pad - at.m0) * 4;
-    mbar_expect_tx(bar, 2 * C::kTileQ + (p.rq ? 3 : 2) * vec_bytes);
+    mbar_expect_tx(bar, 2 * C::kTileQ + kBwdVecs * vec_bytes);
     tma_load_tile<D / 32>(q_tile(stage), &args.q, bar, at.m0, at.h, b);
     tma_load_tile<D / 32>(do_tile(stage), &args.dout, bar, at.m0, at.h, b);
-    bulk_load(vec, p.stat + row, vec_bytes, bar);
-    bulk_load(vec + kBr * 4, p.delta + row, vec_bytes, bar);
-    if (p.rq) bulk_load(vec + 2 * kBr * 4, p.rq + row, vec_bytes, bar);
+#pragma unroll
+    for (int i = 0; i < kBwdVecs; ++i) bulk_load(vec + i * kBr * 4, bwd_vec_source(p, i) + row, vec_bytes, bar);
   };
   walk.load_kv(sK, sV);
   Pos cur = walk.first(), prev = cur;
@@ -164,7 +163,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
   // The vectors' entries past i_pad are never loaded: finite there, the weights of rows past the end
   // stay 0 (P = 0 * stat).
   float* const vec0 = reinterpret_cast<float*>(smem_raw + (s0 - raw) + C::kVec);
-  for (int i = threadIdx.x; i < 2 * 3 * kBr; i += kThreads) vec0[i] = 0.f;
+  for (int i = threadIdx.x; i < 2 * kBwdVecs * kBr; i += kThreads) vec0[i] = 0.f;
   if (threadIdx.x == 0) {
     mbar_init(full, 1);
     mbar_init(full + 8, 1);
@@ -244,7 +243,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
     uint32_t pa[kNQ / 2][M::kA], da[kNQ / 2][M::kA];
 #pragma unroll
     for (int hq = 0; hq < 2; ++hq) {
-      sm90_bwd_weights<T, D, kBc, kBr>(p, pol, hq, sc, dp, pa, da, s_vec + stage * 3 * kBr, keys, b, h, n0, m0,
+      sm90_bwd_weights<T, D, kBc, kBr>(p, pol, hq, sc, dp, pa, da, s_vec + stage * kBwdVecs * kBr, keys, b, h, n0, m0,
                                        n0 + wkey + g, mask);
       if (hq == 1) {  // dQ ahead of the second half's dV and dK
         // dQ over this warpgroup's own keys first, behind a barrier of its own: warpgroup 0, a turn

@@ -4,7 +4,7 @@
 //
 // One block per (batch, kv head, 128 keys) has three warpgroups and no block barrier after its start:
 //   - a producer warp loads K and V once, then streams each step's Q and dO tiles by TMA through
-//     kStages stages and copies the step's row vectors (stat, delta, 1/|q|) with its lanes' own loads
+//     kStages stages and copies the step's row vectors (bwd_vec_source) with its lanes' own loads
 //     and stores. A stage's full mbarrier waits for the tiles' bytes and an arrival from each producer
 //     lane, its empty one for an arrival from each consumer thread: an arrival releases only the
 //     arriving thread's own accesses, and the vectors are read with ordinary loads;
@@ -34,13 +34,13 @@ struct Sm90BwdWs {
   static constexpr int kCols = 128, kRows = 128, kStages = 3, kThreads = 384;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static constexpr int kTileK = kCols * D * sizeof(T), kTileQ = kRows * D * sizeof(T);
-  static constexpr int kTileS = kCols * kRows * sizeof(T), kVecBytes = 3 * kRows * 4;
+  static constexpr int kTileS = kCols * kRows * sizeof(T), kVecBytes = kBwdVecs * kRows * 4;
   // K | V | kStages x Q | kStages x dO | 2 x dS~^T | kStages x vectors | mbarriers (K/V, then full and
   // empty per stage), every tile 1024-byte aligned (the swizzle pattern's period), plus the slack to
   // align the dynamic shared memory's start.
   static constexpr int kK = 0, kV = kTileK, kQ = 2 * kTileK, kDO = kQ + kStages * kTileQ;
   static constexpr int kDS = kDO + kStages * kTileQ, kVec = kDS + 2 * kTileS, kBar = kVec + kStages * kVecBytes;
-  static constexpr int kBytes = kBar + 8 * (1 + 2 * kStages) + 1024;
+  static constexpr int kBytes = kBar + 8 * (1 + 2 * kStages) + kSwizzleSlack;
   static_assert(kRows == 2 * kDqTileRows, "dQ's tiles (dq_tile_slot): one a consumer");
   static_assert(!kSupported || kBytes <= 227 * 1024, "shared memory");
 };
@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
   constexpr int kNQ = kBr / 8, kND = D / 8;
   constexpr int kDsFull = 1, kPair = 256;  // the consumers' named barrier: both halves of dS~^T are in
   extern __shared__ __align__(1024) char smem_raw[];
-  const uint32_t raw = smem_u32(smem_raw), s0 = (raw + 1023) & ~1023u;
+  const uint32_t raw = smem_u32(smem_raw), s0 = swizzle_base(smem_raw);
   const SwTile sK{s0 + C::kK, kBc}, sV{s0 + C::kV, kBc};
   auto q_tile = [&](int st) { return SwTile{s0 + C::kQ + st * C::kTileQ, kBr}; };
   auto do_tile = [&](int st) { return SwTile{s0 + C::kDO + st * C::kTileQ, kBr}; };
@@ -114,9 +114,8 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
         // Entries past i_pad (a multiple of 4) are zeros: finite, so rows past the end weigh 0.
         const int64_t row = static_cast<int64_t>(b * p.H + at.h) * p.i_pad + at.m0;
         const int n = p.i_pad - at.m0;
-        copy_vec(p.stat + row, vec, n);
-        copy_vec(p.delta + row, vec + kBr * 4, n);
-        if (p.rq) copy_vec(p.rq + row, vec + 2 * kBr * 4, n);
+#pragma unroll
+        for (int i = 0; i < kBwdVecs; ++i) copy_vec(bwd_vec_source(p, i) + row, vec + i * kBr * 4, n);
         mbar_arrive(q_full(st));
         at = walk.next(at);
       }
@@ -147,7 +146,7 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
     uint32_t pa[kNQ / 2][M::kA], da[kNQ / 2][M::kA];
 #pragma unroll
     for (int part = 0; part < kBr / kPartRows; ++part) {
-      sm90_bwd_weights<T, D, kBc, kBr>(p, pol, part, sc, dp, pa, da, s_vec + st * 3 * kBr, keys, b, h, n0, m0,
+      sm90_bwd_weights<T, D, kBc, kBr>(p, pol, part, sc, dp, pa, da, s_vec + st * kBwdVecs * kBr, keys, b, h, n0, m0,
                                        n0 + wkey + g, mask);
       sm90_bwd_dvdk<T>(dv, dk, pa, da, q_tile(st), do_tile(st), part);
     }

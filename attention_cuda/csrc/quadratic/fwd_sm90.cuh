@@ -36,11 +36,11 @@ struct Sm90Fwd {
   static constexpr int kTileV = kTileKV + kCols * 64;
   // Stages: as many as fit in the 227 KB a block may have, up to 3 (2 at d128).
   static constexpr int kMaxBytes = 227 * 1024, kStageBytes = kTileKV + kTileV, kBarBytes = 256;
-  static constexpr int kFit = (kMaxBytes - 1024 - kBarBytes - kTileQ) / kStageBytes, kStages = kFit < 3 ? kFit : 3;
+  static constexpr int kFit = (kMaxBytes - kSwizzleSlack - kBarBytes - kTileQ) / kStageBytes, kStages = kFit < 3 ? kFit : 3;
   // Q | kStages x K | kStages x (V, ones) | mbarriers, every tile 1024-byte aligned (the swizzle
   // pattern's period), plus the slack to align the dynamic shared memory's start.
   static constexpr int kQ = 0, kK = kTileQ, kV = kK + kStages * kTileKV;
-  static constexpr int kBar = kV + kStages * kTileV, kBytes = kBar + kBarBytes + 1024;
+  static constexpr int kBar = kV + kStages * kTileV, kBytes = kBar + kBarBytes + kSwizzleSlack;
   static_assert(!kSupported || (kStages >= 2 && kBytes <= kMaxBytes), "shared memory");
   static_assert((1 + 4 * kStages) * 8 <= kBarBytes, "mbarriers: Q, and full/empty for K and V per stage");
 };
@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(Sm90Fwd<T, D>::kThreads, 1)
   constexpr int kKD = D / 16, kNC = kBc / 8, kND = D / 8, kPanels = D / 32;
   constexpr int kPair = 256;  // threads at a turn's named barrier: the waiting warpgroup and the one arriving
   extern __shared__ __align__(1024) char smem_raw[];
-  const uint32_t raw = smem_u32(smem_raw), s0 = (raw + 1023) & ~1023u;
+  const uint32_t s0 = swizzle_base(smem_raw);
   const SwTile sQ{s0 + C::kQ, kBr};
   auto k_tile = [&](int st) { return SwTile{s0 + C::kK + st * C::kTileKV, kBc}; };
   auto v_tile = [&](int st) { return SwTile{s0 + C::kV + st * C::kTileV, kBc}; };

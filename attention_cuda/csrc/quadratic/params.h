@@ -35,7 +35,7 @@ struct Params {
   int64_t bias_sb, bias_sh, bias_si, bias_sj;
   // 1 / max(|row|, eps) of q (B,H,i_pad) and k (B,Hkv,j_pad); null when q and k are used as given.
   // With them, k holds the unit rows k * rk (run_row_rnorm), and rk is read only by dK's epilogue.
-  float* rq;  // 1/|q|, written by the forward (from its Q tiles), read by the backward
+  float* rq;  // 1/|q|, written by the forward (from its Q tiles), read by run_delta and dQ's epilogue
   const float* rk;
   int i_pad, j_pad;
   bool causal;     // bottom-right aligned: query t sees keys s <= t + J - I
@@ -47,8 +47,14 @@ struct Params {
   void* o;      // (B,H,I,D) contiguous
   float* stat;  // (B,H,i_pad): 1/l, or with a running max m: m + log2(l) (score/score.cuh)
 
-  const void* dout;   // (B,H,I,D) contiguous
-  float* delta;       // (B,H,i_pad): rowsum(dO * O) when normalising, else 0
+  const void* dout;  // (B,H,I,D) contiguous
+  // The backward's per-query vectors, (B,H,i_pad) each, written by run_delta from delta = rowsum(dO * O)
+  // (0 without normalisation). qscale = alpha rq is the query's logit scale (alpha without the qk norm).
+  // dL/dx is linear in dP - delta, and dS~ = dL/dx * qscale, so the kernels take dL/dx of dP dp_scale -
+  // dp_offset, one FMA a score, with dp_scale = qscale and dp_offset = delta * qscale: that is dS~
+  // (bench/notes/run-40.md). Where dL/dx is stored as the bias gradient, dp_scale = 1 and dp_offset =
+  // delta, and the kernels scale by qscale after the store.
+  float *qscale, *dp_scale, *dp_offset;
   float* dq_accum;    // fp32, zero on entry: sum of dS K as (B,H,I,D) rows or tiles (dq_tile_slot)
   void *dq, *dk, *dv; // dq (B,H,I,D), dk and dv (B,Hkv,J,D), contiguous
   void* dbias;        // (B,H,I,J) contiguous, zero on entry; null when no gradient is wanted
@@ -79,7 +85,7 @@ __host__ __device__ __forceinline__ int dq_tiled_rows(int I) {
 // the rows x r in x's type into unit (B,H,N,D), contiguous.
 cudaError_t run_row_rnorm(Dtype dtype, const void* x, int64_t sb, int64_t sh, int64_t si, int B, int H, int N,
                           int D, int n_pad, float* out, void* unit, cudaStream_t stream);
-// delta = rowsum(dO * O) (0 when not normalising), into p.delta.
+// qscale, dp_scale and dp_offset (Params) from delta = rowsum(dO * O).
 cudaError_t run_delta(Dtype dtype, const Params& p, int D, cudaStream_t stream);
 // dq = c (U - rq^2 (q.U) q) from U = p.dq_accum (or c U without qk norm), into p.dq; U in rows, or in the
 // Hopper backwards' tiles (`tiles`, dq_tile_slot). Each backward runs it after its kernel.

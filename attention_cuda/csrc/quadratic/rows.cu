@@ -142,7 +142,14 @@ __global__ void delta_kernel(const Params p, int D) {
       }
       acc = lanes_sum<L>(acc);
       const int i = s.row(t0, j);
-      if (s.leader() && i < p.i_pad) p.delta[static_cast<int64_t>(bh) * p.i_pad + i] = i < p.I ? acc : 0.f;
+      if (s.leader() && i < p.i_pad) {
+        // Zeros past I, like the forward's row vectors: finite, so that rows past the end weigh 0.
+        const int64_t at = static_cast<int64_t>(bh) * p.i_pad + i;
+        const float qs = i < p.I ? p.score.alpha * (p.rq ? p.rq[at] : 1.f) : 0.f, delta = i < p.I ? acc : 0.f;
+        p.qscale[at] = qs;
+        p.dp_scale[at] = p.dbias ? 1.f : qs;
+        p.dp_offset[at] = p.dbias ? delta : delta * qs;
+      }
     }
   });
 }
