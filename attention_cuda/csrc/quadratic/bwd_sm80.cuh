@@ -52,17 +52,27 @@ struct KeyRows {
   }
 };
 
+// Whether the backward's tile of keys n0 .. n0 + kBc - 1 and queries m0 .. m0 + rows - 1 has an edge: cuts a
+// sequence end or the causal diagonal, or has a key mask. Then bwd_scores tests visibility per element and
+// takes the offset off after the scale; elsewhere it fuses the two. A kernel asks once a step, for all of
+// the step's rows, however it splits them.
+template <int kBc>
+__device__ __forceinline__ bool bwd_edge(const Params& p, int n0, int m0, int rows, const uint8_t* mask) {
+  return n0 + kBc > p.J || m0 + rows > p.I || mask != nullptr || (p.causal && n0 + kBc - 1 > m0 + p.J - p.I);
+}
+
 // One warp's 16 keys x kBr queries m0.. of a backward step, from S^T = K Q^T (sc) and dP^T = V dO^T (dp)
 // in the m16n8 accumulator layout: on return sc holds P^T and dp holds dS~^T. vec: the queries' vectors
-// (Params, StepVecs); key0 = this thread's first key (g of the warp's 16). after_tile(nq) runs once each
-// column tile's weights are done (the Hopper backward spreads its dQ atomics there).
+// (Params, StepVecs); edge: bwd_edge of the step; key0 = this thread's first key (g of the warp's 16).
+// after_tile(nq) runs once each column tile's weights are done (the Hopper backward spreads its dQ
+// atomics there).
 struct NoHook {
   __device__ void operator()(int) const {}
 };
-template <class T, int D, int kBc, int kBr, class Policy, class Hook = NoHook>
+template <class T, int kBr, class Policy, class Hook = NoHook>
 __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, float (&sc)[kBr / 8][4],
                                            float (&dp)[kBr / 8][4], const StepVecs& vec, const KeyRows& keys,
-                                           int b, int h, int n0, int m0, int key0, const uint8_t* mask,
+                                           bool edge, int b, int h, int m0, int key0, const uint8_t* mask,
                                            const Hook& after_tile = Hook{}) {
   constexpr int kNQ = kBr / 8;
   const int tq = lane_id() % 4;
@@ -84,7 +94,6 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
       for (int e = 0; e < 4; ++e) f(nq, e);
   };
   auto query_of = [&](int nq, int e) { return m0 + nq * 8 + 2 * tq + (e & 1); };
-  const bool edge = n0 + kBc > p.J || m0 + kBr > p.I || mask != nullptr || (p.causal && n0 + kBc - 1 > m0 + p.J - p.I);
   const T* bias = p.bias ? static_cast<const T*>(p.bias) + b * p.bias_sb + h * p.bias_sh : nullptr;
   constexpr bool kOffset = Policy::kBwdOffset;
   const float fused_offset = kOffset && !edge && !bias ? Policy::bwd_offset(p.score) : 0.f;
@@ -395,8 +404,8 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(co
       }
     }
 
-    bwd_scores<T, D, kBc, kBr>(p, pol, sc, dp, StepVecs(s_vec + stage * kBwdVecs * kBr, kBr), keys, b, h, n0, m0,
-                               n0 + wkey + g, mask);
+    bwd_scores<T, kBr>(p, pol, sc, dp, StepVecs(s_vec + stage * kBwdVecs * kBr, kBr), keys,
+                               bwd_edge<kBc>(p, n0, m0, kBr, mask), b, h, m0, n0 + wkey + g, mask);
 
     // dV += P^T dO and dK += dS~^T Q, 16 queries per k-step.
 #pragma unroll

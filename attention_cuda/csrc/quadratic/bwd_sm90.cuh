@@ -76,18 +76,17 @@ __device__ __forceinline__ void sm90_bwd_sdp(float (&sc)[kNQ][4], float (&dp)[kN
 constexpr int kPartRows = 32;
 // Part `part` of the step's queries m0..: P^T and dS~^T in place of S^T and dP^T (bwd_scores, with the
 // stage's vectors at vec, StepVecs), then as the A operands of dV's and dK's products.
-template <class T, int D, int kBc, int kBr, class Policy>
+template <class T, int kBr, class Policy>
 __device__ __forceinline__ void sm90_bwd_weights(const Params& p, const Policy& pol, int part,
                                                  float (&sc)[kBr / 8][4], float (&dp)[kBr / 8][4],
                                                  uint32_t (&pa)[kBr / 16][Mma<T>::kA],
                                                  uint32_t (&da)[kBr / 16][Mma<T>::kA], const float* vec,
-                                                 const KeyRows& keys, int b, int h, int n0, int m0, int key0,
+                                                 const KeyRows& keys, bool edge, int b, int h, int m0, int key0,
                                                  const uint8_t* mask) {
   constexpr int kTiles = kPartRows / 8;  // column tiles per part
-  bwd_scores<T, D, kBc, kPartRows>(p, pol, *reinterpret_cast<float(*)[kTiles][4]>(sc[part * kTiles]),
-                                   *reinterpret_cast<float(*)[kTiles][4]>(dp[part * kTiles]),
-                                   StepVecs(vec + part * kPartRows, kBr), keys, b, h, n0, m0 + part * kPartRows,
-                                   key0, mask);
+  bwd_scores<T, kPartRows>(p, pol, *reinterpret_cast<float(*)[kTiles][4]>(sc[part * kTiles]),
+                           *reinterpret_cast<float(*)[kTiles][4]>(dp[part * kTiles]),
+                           StepVecs(vec + part * kPartRows, kBr), keys, edge, b, h, m0 + part * kPartRows, key0, mask);
 #pragma unroll
   for (int kq = part * kTiles / 2; kq < (part + 1) * kTiles / 2; ++kq) {
     Mma<T>::c_to_a(pa[kq], sc[2 * kq], sc[2 * kq + 1]);
@@ -241,10 +240,11 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
     // first half's products run during the second half's exps.
     static_assert(kBr == 2 * kPartRows, "two parts a step");
     uint32_t pa[kNQ / 2][M::kA], da[kNQ / 2][M::kA];
+    const bool edge = bwd_edge<kBc>(p, n0, m0, kBr, mask);
 #pragma unroll
     for (int hq = 0; hq < 2; ++hq) {
-      sm90_bwd_weights<T, D, kBc, kBr>(p, pol, hq, sc, dp, pa, da, s_vec + stage * kBwdVecs * kBr, keys, b, h, n0, m0,
-                                       n0 + wkey + g, mask);
+      sm90_bwd_weights<T, kBr>(p, pol, hq, sc, dp, pa, da, s_vec + stage * kBwdVecs * kBr, keys, edge, b, h, m0,
+                               n0 + wkey + g, mask);
       if (hq == 1) {  // dQ ahead of the second half's dV and dK
         // dQ over this warpgroup's own keys first, behind a barrier of its own: warpgroup 0, a turn
         // ahead, has them in the tensor pipe while it waits for warpgroup 1's dS~^T (bench/notes/run-29.md).

@@ -144,10 +144,11 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
     // Per part of the queries: P^T and dS~^T, then dV += P^T dO and dK += dS~^T Q issued at once, so a
     // part's products run during the next part's exps.
     uint32_t pa[kNQ / 2][M::kA], da[kNQ / 2][M::kA];
+    const bool edge = bwd_edge<kBc>(p, n0, m0, kBr, mask);
 #pragma unroll
     for (int part = 0; part < kBr / kPartRows; ++part) {
-      sm90_bwd_weights<T, D, kBc, kBr>(p, pol, part, sc, dp, pa, da, s_vec + st * kBwdVecs * kBr, keys, b, h, n0, m0,
-                                       n0 + wkey + g, mask);
+      sm90_bwd_weights<T, kBr>(p, pol, part, sc, dp, pa, da, s_vec + st * kBwdVecs * kBr, keys, edge, b, h, m0,
+                               n0 + wkey + g, mask);
       sm90_bwd_dvdk<T>(dv, dk, pa, da, q_tile(st), do_tile(st), part);
     }
     // dS~^T into the step's buffer, then, with the other half in, dQ of this warpgroup's 64 queries.
