@@ -47,7 +47,7 @@ struct Params {
   void* o;      // (B,H,I,D) contiguous
   float* stat;  // (B,H,i_pad): 1/l, or with a running max m: m + log2(l) (score/score.cuh)
 
-  const void* dout;  // (B,H,I,D) contiguous
+  const void* dout;   // (B,H,I,D) contiguous
   // The backward's per-query vectors, (B,H,i_pad) each, written by run_delta from delta = rowsum(dO * O)
   // (0 without normalisation). qscale = alpha rq is the query's logit scale (alpha without the qk norm).
   // dL/dx is linear in dP - delta, and dS~ = dL/dx * qscale, so the kernels take dL/dx of dP dp_scale -

@@ -100,7 +100,9 @@ namespace attn {
 //   bwd_weight(y, stat)  A(y) before the skeleton's rounding and 1 / l (!kRowMax), or P itself (kRowMax);
 //                   y less the offset where kBwdOffset.
 //   dlogit(P, y, dp_minus_delta, stat)  dL/dx from P, the logit and dP - delta (delta = rowsum(dO * O), 0
-//                   without normalisation).
+//                   without normalisation). It must be linear in dp_minus_delta: the skeleton passes it
+//                   times the query's logit scale, to get that scale's product with dL/dx (dS~) in one
+//                   FMA (dp_scale and dp_offset, quadratic/params.h).
 
 // A = exp2(y - shift), y in log2 units (alpha and beta carry log2(e)); dL/dx = P (dP - delta).
 template <bool kRowMax_>
