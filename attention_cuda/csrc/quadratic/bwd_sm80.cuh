@@ -14,17 +14,18 @@
 namespace attn {
 
 // A backward step's per-query vectors (Params), kBwdVecs runs of the step's query count of floats in
-// shared memory, in the order of bwd_vec_source: every backward kernel copies them in a stage with its
+// shared memory, in this order: every backward kernel copies them (bwd_vec_source) in a stage with its
 // Q and dO tiles.
-constexpr int kBwdVecs = 4;
+enum BwdVec { kVecStat, kVecDpOffset, kVecDpScale, kVecQscale, kBwdVecs };
 __device__ __forceinline__ const float* bwd_vec_source(const Params& p, int i) {
-  return i == 0 ? p.stat : i == 1 ? p.dp_offset : i == 2 ? p.dp_scale : p.qscale;
+  return i == kVecStat ? p.stat : i == kVecDpOffset ? p.dp_offset : i == kVecDpScale ? p.dp_scale : p.qscale;
 }
 // The same vectors as bwd_scores reads them: `stride` floats apart from `v`.
 struct StepVecs {
   const float *stat, *dp_offset, *dp_scale, *qscale;
   __device__ StepVecs(const float* v, int stride)
-      : stat(v), dp_offset(v + stride), dp_scale(v + 2 * stride), qscale(v + 3 * stride) {}
+      : stat(v + kVecStat * stride), dp_offset(v + kVecDpOffset * stride), dp_scale(v + kVecDpScale * stride),
+        qscale(v + kVecQscale * stride) {}
 };
 
 template <class T, int D>
@@ -405,7 +406,7 @@ __global__ void __launch_bounds__(BwdConfig<T, D>::kWarps * 32, 1) bwd_kernel(co
     }
 
     bwd_scores<T, kBr>(p, pol, sc, dp, StepVecs(s_vec + stage * kBwdVecs * kBr, kBr), keys,
-                               bwd_edge<kBc>(p, n0, m0, kBr, mask), b, h, m0, n0 + wkey + g, mask);
+                       bwd_edge<kBc>(p, n0, m0, kBr, mask), b, h, m0, n0 + wkey + g, mask);
 
     // dV += P^T dO and dK += dS~^T Q, 16 queries per k-step.
 #pragma unroll

@@ -36,7 +36,8 @@ struct Sm90Fwd {
   static constexpr int kTileV = kTileKV + kCols * 64;
   // Stages: as many as fit in the 227 KB a block may have, up to 3 (2 at d128).
   static constexpr int kMaxBytes = 227 * 1024, kStageBytes = kTileKV + kTileV, kBarBytes = 256;
-  static constexpr int kFit = (kMaxBytes - kSwizzleSlack - kBarBytes - kTileQ) / kStageBytes, kStages = kFit < 3 ? kFit : 3;
+  static constexpr int kFit = (kMaxBytes - kSwizzleSlack - kBarBytes - kTileQ) / kStageBytes;
+  static constexpr int kStages = kFit < 3 ? kFit : 3;
   // Q | kStages x K | kStages x (V, ones) | mbarriers, every tile 1024-byte aligned (the swizzle
   // pattern's period), plus the slack to align the dynamic shared memory's start.
   static constexpr int kQ = 0, kK = kTileQ, kV = kK + kStages * kTileKV;
