@@ -156,13 +156,20 @@ struct Elem<float> {
   __device__ static float from_float(float x) { return x; }
 };
 
-// A pair of values as the tensor cores see them once converted to T (fp32 inputs run as TF32). For
-// 16-bit T one packing conversion serves both, and back is integer ops (bf16) or a widening half add
-// (HADD2.F32, fp16): fewer instructions per element than a conversion there and back, and none on
-// the conversion unit, which the backward's exps need (bench/notes/run-16.md).
+// A pair of values as the tensor cores see them once converted to T (fp32 inputs run as TF32). bf16:
+// one packing conversion per value, of (x, 0), whose 32 bits are bf16(x) as fp32, so nothing unpacks;
+// one instruction fewer per pair than one conversion for both and two integer ops back, and 1-2.5%
+// faster in the backward (bench/notes/run-41.md). fp16: one packing conversion serves both, and back is
+// a widening half add (HADD2.F32). Neither uses the conversion unit, which the backward's exps need
+// (bench/notes/run-16.md).
 template <class T>
 __device__ __forceinline__ float2 round_for_mma(float2 x) {
-  if constexpr (sizeof(T) == 2) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    uint32_t r0, r1;
+    asm("cvt.rn.bf16x2.f32 %0, %1, 0f00000000;\n" : "=r"(r0) : "f"(x.x));
+    asm("cvt.rn.bf16x2.f32 %0, %1, 0f00000000;\n" : "=r"(r1) : "f"(x.y));
+    return make_float2(__uint_as_float(r0), __uint_as_float(r1));
+  } else if constexpr (sizeof(T) == 2) {
     return Elem<T>::unpack(Elem<T>::pack(x.x, x.y));
   } else {
     uint32_t r0, r1;
