@@ -345,7 +345,7 @@ def fastmax_seeds(src: Sources, link: Link) -> list[str]:
             "does not fit at 10,000). " + _sources_line(src, link, [FASTMAX_SEEDS])]
 
 
-THROUGHPUT, THROUGHPUT_8192 = "bench/throughput.json", "bench/runs/2026-11-26_s37_throughput-compiled-h200.json"
+THROUGHPUT, THROUGHPUT_COMPILED = "bench/throughput.json", "bench/runs/2026-11-27_s42_throughput-compiled-h200.json"
 
 
 def _variant_labels() -> dict[str, str]:
@@ -391,8 +391,8 @@ def throughput(src: Sources, link: Link) -> list[str]:
     return _throughput(src, link, THROUGHPUT)
 
 
-def throughput_8192(src: Sources, link: Link) -> list[str]:
-    return _throughput(src, link, THROUGHPUT_8192)
+def throughput_compiled(src: Sources, link: Link) -> list[str]:
+    return _throughput(src, link, THROUGHPUT_COMPILED)
 
 
 CONTEXT = "bench/context_limit.json"
@@ -514,7 +514,7 @@ TABLES: dict[str, Callable[[Sources, Link], list[str]]] = {
     "fastmax-crossover": fastmax_crossover,
     "fastmax-seeds": fastmax_seeds,
     "throughput": throughput,
-    "throughput-8192": throughput_8192,
+    "throughput-compiled": throughput_compiled,
     "context-limit": context_limit,
     "compare": compare,
     "study": study,
