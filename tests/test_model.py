@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
+from model.gpt import RMSNorm
 from attention_cuda.reference import apply_rope
 from model.attention import CausalSelfAttention, attention_flops_per_token, rope_tables
 
@@ -58,6 +59,24 @@ def test_per_position_loss_matches_mean():
     _, per_token = model(idx, targets, reduction="none")
     assert per_token.shape == (2, 16)
     torch.testing.assert_close(per_token.mean(), mean)
+
+
+def test_rms_norm_is_the_formula_in_fp32_and_keeps_float64():
+    """The fused F.rms_norm the model uses computes x / sqrt(mean(x^2) + eps) * gain in fp32 (a bf16 stream
+    comes back fp32, as the gain is), and a float64 model stays float64 (its gradient checks need it)."""
+    torch.manual_seed(0)
+    norm = RMSNorm(24, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(24))
+    x = torch.randn(3, 5, 24, dtype=torch.float64)
+    want = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double()
+    assert torch.allclose(norm(x.float()), want.float(), rtol=1e-6, atol=1e-6)
+    assert norm(x.bfloat16()).dtype == torch.float32
+    norm64 = RMSNorm(24, eps=1e-6).double()
+    with torch.no_grad():
+        norm64.weight.copy_(norm.weight.double())
+    out = norm64(x)
+    assert out.dtype == torch.float64 and torch.allclose(out, want, rtol=1e-12, atol=1e-12)
 
 
 def test_tied_embeddings_counted_once():
