@@ -157,11 +157,10 @@ struct Elem<float> {
 };
 
 // A pair of values as the tensor cores see them once converted to T (fp32 inputs run as TF32). bf16:
-// one packing conversion per value, of (x, 0), whose 32 bits are bf16(x) as fp32, so nothing unpacks;
-// one instruction fewer per pair than one conversion for both and two integer ops back, and 1-2.5%
-// faster in the backward (bench/notes/run-41.md). fp16: one packing conversion serves both, and back is
-// a widening half add (HADD2.F32). Neither uses the conversion unit, which the backward's exps need
-// (bench/notes/run-16.md).
+// one packing conversion per value, of (x, 0), whose 32 bits are bf16(x) as fp32, so nothing unpacks:
+// one instruction fewer per pair than one conversion for both and two integer ops back
+// (bench/notes/run-41.md). fp16: one packing conversion serves both, and back is a widening half add
+// (HADD2.F32). Neither uses the conversion unit, which the backward's exps need (bench/notes/run-16.md).
 template <class T>
 __device__ __forceinline__ float2 round_for_mma(float2 x) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
