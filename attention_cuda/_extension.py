@@ -117,7 +117,7 @@ def _register_fakes() -> None:
         b, h, i, d = q.shape
         f32 = dict(dtype=torch.float32, device=q.device)
         norms = qk_norm is not None
-        return (q.new_empty((b, h, i, d)), torch.empty((b, h, _pad4(i)), **f32),
+        return (q.new_empty((b, i, h, d)).transpose(1, 2), torch.empty((b, h, _pad4(i)), **f32),
                 torch.empty((b, h, _pad4(i)) if norms else (0,), **f32),
                 torch.empty((b, k.shape[1], _pad4(k.shape[2])) if norms else (0,), **f32),
                 k.new_empty(k.shape if norms else (0,)))

@@ -341,6 +341,33 @@ def test_upstream_gradient_at_any_offset(d):
 
 
 @pytest.mark.parametrize("portable", [True, False], ids=["mma_sync", "wgmma"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_output_in_the_models_layout_and_any_upstream_order(monkeypatch, d, portable):
+    """The forward writes its (B, H, T, D) output over (B, T, H, D) memory, so the model's merge of the
+    heads is a view; the backward reads dO and O in any order of their rows. dO as the model hands it back
+    (its reshape's gradient), contiguous and heads-first give the same gradients (dQ, summed by atomics in
+    any order, to its rounding)."""
+    monkeypatch.setenv("ATTN_PORTABLE_KERNELS", "1" if portable else "0")
+    g = torch.Generator(device="cuda").manual_seed(8)
+    b, h, n = 2, 4, 300
+    q, k, v = (torch.randn(b, h, n, d, generator=g, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    poison_allocator()
+    out = cosine_sim_attention(q, k, v, causal=True, backend="cuda")
+    assert out.shape == (b, h, n, d) and out.transpose(1, 2).is_contiguous()
+    merged = out.transpose(1, 2).reshape(b, n, h * d)
+    assert merged.data_ptr() == out.data_ptr()  # a view: no copy of the output
+    assert torch.equal(out, cosine_sim_attention(q, k, v, causal=True, backend="cuda").contiguous())
+    upstream = torch.randn(b, n, h * d, generator=g, device="cuda", dtype=torch.bfloat16)
+    want = torch.autograd.grad(merged, (q, k, v), upstream, retain_graph=True)  # dO: the (B, T, H, D) order
+    dout = upstream.view(b, n, h, d).transpose(1, 2)
+    for other in (dout.contiguous(), dout.permute(1, 0, 2, 3).contiguous().permute(1, 0, 2, 3)):
+        got = torch.autograd.grad(out, (q, k, v), other, retain_graph=True)
+        torch.testing.assert_close(got[0], want[0], rtol=2**-7, atol=1e-3 * want[0].abs().max().item())
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("portable", [True, False], ids=["mma_sync", "wgmma"])
 def test_causal_sections_of_heads(monkeypatch, portable):
     """Long causal grids run in sections of a few heads (quadratic/block.cuh's block_slot; at n16384 d128 bf16:
     four heads per forward section, two per backward one), so five heads end on a short section. Every

@@ -177,7 +177,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_fwd(const Tensor& q, con
                                              q.scalar_type());
   attn::Params p = make_params(c, score, causal, normalize);
   const auto f32 = q.options().dtype(at::kFloat);
-  Tensor out = at::empty({c.B, c.H, c.I, c.D}, q.options());
+  // (B, H, I, D) over (B, I, H, D) memory: the rows of a position's heads side by side, as the model's
+  // output projection reads them, so that its reshape is a view (FlashAttention returns the same layout).
+  Tensor out = at::empty({c.B, c.I, c.H, c.D}, q.options()).transpose(1, 2);
   Tensor stat = at::empty({c.B, c.H, p.i_pad}, f32);
   // Stay empty without qk norm.
   Tensor rq = at::empty({0}, f32), rk = at::empty({0}, f32), kn = at::empty({0}, q.options());
@@ -194,7 +196,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_fwd(const Tensor& q, con
     p.rq = rq.data_ptr<float>(), p.rk = rk.data_ptr<float>();
     p.k = kn.data_ptr(), p.k_sb = kn.stride(0), p.k_sh = kn.stride(1), p.k_sj = kn.stride(2);
   }
-  p.o = out.data_ptr(), p.stat = stat.data_ptr<float>();
+  p.o = out.data_ptr(), p.o_sb = out.stride(0), p.o_sh = out.stride(1), p.o_si = out.stride(2);
+  p.stat = stat.data_ptr<float>();
   // A forward block streams its kv head's K and V, which the group's adjacent query heads share.
   p.section = causal ? attn::section_heads(c.B * c.H, 2 * int64_t{c.J} * c.D * q.element_size() / p.group) : 1;
   check_ok(c.fwd(p, score.score, stream), "forward kernel");
@@ -260,8 +263,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_bwd(const Tensor& dout, const Te
   const attn::ScoreChoice score = make_score(kind, scale, qk_norm, coef, normalize, bias.has_value(),
                                              q.scalar_type());
   attn::Params p = make_params(c, score, causal, normalize);
-  // Contiguous, and 16-byte aligned like q, k, v: an upstream gradient can be a view at any offset.
-  const Tensor dout_c = rows_aligned(dout.contiguous()), out_c = rows_aligned(out.contiguous());
+  // Rows 16-byte aligned like q, k, v, in any order (the model's dO is the forward's layout): an upstream
+  // gradient can be a view at any offset.
+  const Tensor dout_c = rows_aligned(dout), out_c = rows_aligned(out);
   const Tensor stat_c = rows_aligned(stat.contiguous());
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor rows = at::empty({3, c.B, c.H, p.i_pad}, f32);  // qscale, dp_scale, dp_offset (run_delta)
@@ -271,8 +275,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_bwd(const Tensor& dout, const Te
   Tensor dv = at::empty({c.B, c.Hkv, c.J, c.D}, q.options());
   Tensor dbias = bias_grad ? at::zeros({c.B, c.H, c.I, c.J}, q.options()) : at::empty({0}, q.options());
   if (qk_norm) p.rq = rq.data_ptr<float>(), p.rk = rk.data_ptr<float>();
-  p.o = out_c.data_ptr(), p.stat = stat_c.data_ptr<float>();
-  p.dout = dout_c.data_ptr(), p.dq_accum = dq_accum.data_ptr<float>();
+  p.o = out_c.data_ptr(), p.o_sb = out_c.stride(0), p.o_sh = out_c.stride(1), p.o_si = out_c.stride(2);
+  p.dout = dout_c.data_ptr(), p.do_sb = dout_c.stride(0), p.do_sh = dout_c.stride(1), p.do_si = dout_c.stride(2);
+  p.stat = stat_c.data_ptr<float>(), p.dq_accum = dq_accum.data_ptr<float>();
   p.qscale = rows[0].data_ptr<float>(), p.dp_scale = rows[1].data_ptr<float>(), p.dp_offset = rows[2].data_ptr<float>();
   p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
   p.dbias = bias_grad ? dbias.data_ptr() : nullptr;

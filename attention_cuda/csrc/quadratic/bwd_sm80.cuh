@@ -256,11 +256,11 @@ struct BwdWalk {
   __device__ void load_q(Pos at, Tl sQ, Tl sDO, uint32_t vec) const {
     constexpr int kRowBytes = D * sizeof(T);
     const T* q = static_cast<const T*>(p.q) + b * p.q_sb + at.h * p.q_sh;
-    const T* dout = static_cast<const T*>(p.dout) + static_cast<int64_t>(b * p.H + at.h) * p.I * D;
+    const T* dout = static_cast<const T*>(p.dout) + b * p.do_sb + at.h * p.do_sh;
     cp_tile<kBr, kRowBytes, kThreads>(sQ, reinterpret_cast<const char*>(q + at.m0 * p.q_si), p.q_si * sizeof(T),
                                       p.I - at.m0, q);
-    cp_tile<kBr, kRowBytes, kThreads>(sDO, reinterpret_cast<const char*>(dout + at.m0 * D), kRowBytes, p.I - at.m0,
-                                      dout);
+    cp_tile<kBr, kRowBytes, kThreads>(sDO, reinterpret_cast<const char*>(dout + at.m0 * p.do_si),
+                                      p.do_si * sizeof(T), p.I - at.m0, dout);
     const int64_t row = static_cast<int64_t>(b * p.H + at.h) * p.i_pad + at.m0;
 #pragma unroll
     for (int i = 0; i < kBwdVecs; ++i) cp_floats<kBr>(vec + i * kBr * 4, bwd_vec_source(p, i) + row, p.i_pad - at.m0);

@@ -197,13 +197,13 @@ struct FwdBlock {
         }
       }
     __syncwarp();
-    T* out = static_cast<T*>(p.o) + (static_cast<int64_t>(bh) * p.I + m0) * D;
+    T* out = static_cast<T*>(p.o) + bh / p.H * p.o_sb + bh % p.H * p.o_sh + m0 * p.o_si;
     constexpr int kChunks = kRowBytes / 16;
 #pragma unroll
     for (int c = lane; c < 16 * kMT * kChunks; c += 32) {
       const int r = wrow + c / kChunks, x = c % kChunks;
       if (m0 + r < p.I)
-        *reinterpret_cast<uint4*>(reinterpret_cast<char*>(out + r * D) + x * 16) = lds128(sq.at(r, x * 16));
+        *reinterpret_cast<uint4*>(reinterpret_cast<char*>(out + r * p.o_si) + x * 16) = lds128(sq.at(r, x * 16));
     }
   }
 };

@@ -44,10 +44,14 @@ struct Params {
 
   ScoreParams score;  // the logit's scales and the score function's constants (score/score.cuh)
 
-  void* o;      // (B,H,I,D) contiguous
+  // o and dout (B,H,I,D): element strides of batch, head and row, the head dim contiguous. The forward
+  // writes o as (B,I,H,D) rows, the layout the model's output projection reads (no copy around the op).
+  void* o;
+  int64_t o_sb, o_sh, o_si;
   float* stat;  // (B,H,i_pad): 1/l, or with a running max m: m + log2(l) (score/score.cuh)
 
-  const void* dout;   // (B,H,I,D) contiguous
+  const void* dout;
+  int64_t do_sb, do_sh, do_si;
   // The backward's per-query vectors, (B,H,i_pad) each, written by run_delta from delta = rowsum(dO * O)
   // (0 without normalisation). qscale = alpha rq is the query's logit scale (alpha without the qk norm).
   // dL/dx is linear in dP - delta, and dS~ = dL/dx * qscale, so the kernels take dL/dx of dP dp_scale -

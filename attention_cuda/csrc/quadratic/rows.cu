@@ -117,17 +117,17 @@ template <class T, int L>
 __global__ void delta_kernel(const Params p, int D) {
   using S = RowSlice<L>;
   const int bh = blockIdx.x;
-  const T* o = static_cast<const T*>(p.o) + static_cast<int64_t>(bh) * p.I * D;
-  const T* dout = static_cast<const T*>(p.dout) + static_cast<int64_t>(bh) * p.I * D;
+  const T* o = static_cast<const T*>(p.o) + bh / p.H * p.o_sb + bh % p.H * p.o_sh;
+  const T* dout = static_cast<const T*>(p.dout) + bh / p.H * p.do_sb + bh % p.H * p.do_sh;
   const S s;
   for_each_row_group(p.i_pad, [&](int t0) {
     float a[S::kJ][kVec] = {}, b[S::kJ][kVec] = {};
     if (p.normalize && s.col < D) {
 #pragma unroll
       for (int j = 0; j < S::kJ; ++j) {
-        const int64_t at = static_cast<int64_t>(min(s.row(t0, j), p.I - 1)) * D + s.col;
-        ldg_vec(a[j], o + at);
-        ldg_vec(b[j], dout + at);
+        const int64_t row = min(s.row(t0, j), p.I - 1);
+        ldg_vec(a[j], o + row * p.o_si + s.col);
+        ldg_vec(b[j], dout + row * p.do_si + s.col);
       }
     }
 #pragma unroll
