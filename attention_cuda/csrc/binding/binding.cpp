@@ -473,10 +473,11 @@ std::tuple<Tensor, Tensor> attn_lin_out(const Tensor& y, const optional<Tensor>&
   check_chunk_major(y, B, H, D + 16, "lin_out y");
   TORCH_CHECK(o.has_value() == stat.has_value(), "attn_cuda: lin_out: o and stat come together");
   if (o) {
-    TORCH_CHECK(o->is_contiguous() && o->scalar_type() == dtype && o->numel() == B * n_pad * H * D &&
-                    stat->is_contiguous() && stat->scalar_type() == at::kFloat && stat->numel() == B * n_pad * H,
-                "attn_cuda: lin_out: o (B * chunks, H, ", L, ", D) and stat (B * chunks, H, ", L,
-                ") contiguous");
+    TORCH_CHECK(o->dim() == 4 && o->transpose(1, 2).is_contiguous() && o->scalar_type() == dtype &&
+                    o->numel() == B * n_pad * H * D && stat->is_contiguous() && stat->scalar_type() == at::kFloat &&
+                    stat->numel() == B * n_pad * H,
+                "attn_cuda: lin_out: o (B * chunks, H, ", L, ", D) over (B * chunks, ", L, ", H, D) memory, as ",
+                "attn_cuda::fwd writes it, and stat (B * chunks, H, ", L, ") contiguous");
   }
   TORCH_CHECK(mu.scalar_type() == at::kFloat && mu.is_contiguous() && mu.sizes() == at::IntArrayRef({B, H, D}) &&
                   mu.device() == y.device(),

@@ -74,31 +74,33 @@ __global__ void lin_rows_kernel(const T* x, int64_t sb, int64_t sh, int64_t si, 
 }
 
 // Pair d of the group's chunk rows of an fp32 sweep output (rows `pitch` wide) and of the diagonal
-// blocks' output (D wide; zeros where there is none), all loads issued before any is used.
+// blocks' output (rows orow, D wide; zeros where there is none), all loads issued before any is used.
 template <class T>
 __device__ __forceinline__ void load_sweep_diag(float2 (&acc)[kRowsPerWarp], float2 (&diag)[kRowsPerWarp],
                                                 const int64_t (&row)[kRowsPerWarp], const float* a, int pitch,
-                                                const T* o, int D, int d) {
+                                                const T* o, const int64_t (&orow)[kRowsPerWarp], int D, int d) {
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
     acc[r] = *reinterpret_cast<const float2*>(a + row[r] * pitch + d);
-    diag[r] = o ? ldg_pair(o + row[r] * D + d) : float2{};
+    diag[r] = o ? ldg_pair(o + orow[r] * D + d) : float2{};
   }
 }
 
 // out = (num + mu l + o l_d) / (l + l_d) from the moments' y = [num, l] (of the values less mu) and the
 // diagonal block's output o and 1 / l_d (stat); 1 / the sum for every chunk row (the backward's), out for
-// the rows that exist.
+// the rows that exist. o is attn_cuda::fwd's over the chunks, (B * chunks, H, L, D) over (B * chunks, L, H, D)
+// memory: chunk row t of head (b, h) is its row (b n_pad + t) H + h.
 template <class T>
 __global__ void lin_out_kernel(const float* y, const T* o, const float* stat, const float* mu, int H, int n, int D,
                                int n_pad, int L, int shift, T* out, float* inv_l) {
   const int bh = blockIdx.x, b = bh / H, h = bh % H, lane = threadIdx.x % 32, Dp = D + 16;
   for_each_row_group(n_pad, [&](int t0) {
-    int64_t row[kRowsPerWarp];
+    int64_t row[kRowsPerWarp], orow[kRowsPerWarp];
     float lm[kRowsPerWarp], ld[kRowsPerWarp], inv[kRowsPerWarp];
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
       row[r] = chunk_row(b, h, H, n_pad, L, min(t0 + r, n_pad - 1));
+      orow[r] = (static_cast<int64_t>(b) * n_pad + min(t0 + r, n_pad - 1)) * H + h;
       const float s = stat ? stat[row[r]] : 0.f;
       ld[r] = s > 0.f ? 1.f / s : 0.f;
       lm[r] = y[row[r] * Dp + D];
@@ -108,7 +110,7 @@ __global__ void lin_out_kernel(const float* y, const T* o, const float* stat, co
     }
     for (int d = 2 * lane; d < D; d += 64) {
       float2 num[kRowsPerWarp], od[kRowsPerWarp];
-      load_sweep_diag(num, od, row, y, Dp, o, D, d);
+      load_sweep_diag(num, od, row, y, Dp, o, orow, D, d);
       const float2 m = *reinterpret_cast<const float2*>(mu + static_cast<int64_t>(bh) * D + d);
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r) {
@@ -207,7 +209,7 @@ __global__ void lin_grad_kernel(const float* acc, int W, const float* scale, con
     for (int r = 0; r < kRowsPerWarp; ++r) row[r] = chunk_row(b, h, H, n_pad, L, min(i0 + r, n - 1) + shift);
     for (int d = 2 * lane; d < D; d += 64) {
       float2 a[kRowsPerWarp], c[kRowsPerWarp];
-      load_sweep_diag(a, c, row, acc, W, diag, D, d);
+      load_sweep_diag(a, c, row, acc, W, diag, row, D, d);
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r)
         if (i0 + r < n)
