@@ -132,7 +132,7 @@ def table(header: list[str], rows: list[list[str]], right: set[int] = frozenset(
 Link = Callable[[str], str]
 
 SEEDS, OLMO2, OLMO2_LONG = ("bench/results_seeds.json", "bench/results_olmo2.json",
-                            "bench/runs/2026-11-27_s41_olmo2-long.json")
+                            "bench/runs/2026-11-27_s43_olmo2-long.json")
 # The headline cosine shapes: (label, file, batch, heads, head dim, lengths).
 COSINE_SHAPES = [("b4 h8 d64", SEEDS, 4, 8, 64, (4096, 8192, 16384)),
                  ("b1 h32 d128 (OLMo-2 7B layer)", OLMO2, 1, 32, 128, (4096,)),
