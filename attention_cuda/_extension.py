@@ -162,7 +162,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("attn_cuda::lin_out")
     def _lin_out(y, o, stat, mu, shift, n, dtype):
         b, chunks, h, rows, dp = y.shape
-        return y.new_empty((b, h, n, dp - 16), dtype=dtype), y.new_empty((b, chunks, h, rows))
+        return y.new_empty((b, n, h, dp - 16), dtype=dtype).transpose(1, 2), y.new_empty((b, chunks, h, rows))
 
     @torch.library.register_fake("attn_cuda::lin_g")
     def _lin_g(dout, out, inv_l, mu, cmax, shift):

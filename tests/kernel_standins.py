@@ -34,6 +34,11 @@ def _natural(x):
     return x.transpose(1, 2).flatten(2, 3)
 
 
+def _bthd(x):
+    """(B, H, N, D) over (B, N, H, D) memory, the layout the forward kernels write their outputs in."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _chunk_major(x, chunk):
     """Natural rows (B, H, n_pad, W) -> chunk-major (B, n_pad / chunk, H, chunk, W)."""
     return x.unflatten(2, (x.shape[2] // chunk, chunk)).transpose(1, 2).contiguous()
@@ -135,13 +140,14 @@ def lin_out(y, o, stat, mu, shift, n, dtype):
     if o is None:
         o, ld = y.new_zeros(b, chunks, h, rows, d), y.new_zeros(b, chunks, h, rows)
     else:
-        o, stat = o.view(b, chunks, h, rows, d).double(), stat.view(b, chunks, h, rows).double()
+        assert o.transpose(1, 2).is_contiguous(), "o in fwd's layout, (B * chunks, H, L, D) over (B * chunks, L, H, D)"
+        o, stat = o.reshape(b, chunks, h, rows, d).double(), stat.view(b, chunks, h, rows).double()
         ld = torch.where(stat > 0, 1 / stat, 0.0)
     lm = y[..., d]
     total = lm + ld
     inv = torch.where(total > 0, 1 / total, 0.0)
     out = (y[..., :d] + mu[:, None, :, None, :].double() * lm[..., None] + o * ld[..., None]) * inv[..., None]
-    return _natural(out)[:, :, shift:shift + n].to(dtype), inv.float()
+    return _bthd(_natural(out)[:, :, shift:shift + n].to(dtype)), inv.float()
 
 
 def lin_g(dout, out, inv_l, mu, cmax, shift):
@@ -185,7 +191,7 @@ def fwd(q, k, v, mask, bias, causal, kind, scale, qk_norm, coef, normalize):
     stat = torch.where(l > 0, 1 / l, 0.0)[..., 0]
     stat = torch.nn.functional.pad(stat, (0, -stat.shape[-1] % 4)).float()  # rows padded to 4
     empty = stat.new_empty(0)
-    return out.to(q.dtype), stat, empty, empty, q.new_empty(0)
+    return _bthd(out.to(q.dtype)), stat, empty, empty, q.new_empty(0)
 
 
 def bwd(dout, q, k, v, mask, bias, out, stat, rq, rk, causal, kind, scale, qk_norm, coef, normalize, bias_grad):

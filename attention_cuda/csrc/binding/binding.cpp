@@ -441,6 +441,14 @@ void check_chunk_major(const Tensor& t, int64_t b, int64_t h, int64_t w, const c
               ") CUDA tensor with L a multiple of 64, got ", t.sizes());
 }
 
+// The linear form's row passes read natural rows a pair of elements at a time: a contiguous head dim,
+// 4-byte aligned, even strides. Anything else is copied once.
+Tensor pairs_aligned(const Tensor& x) {
+  bool pairs = x.stride(-1) == 1 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) pairs = pairs && x.stride(d) % 2 == 0;
+  return pairs ? x : x.contiguous();
+}
+
 Tensor attn_lin_rows(const Tensor& x, const optional<Tensor>& mask, const optional<Tensor>& mu, int64_t shift,
                      int64_t n_pad, int64_t width, int64_t chunk) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 4, "attn_cuda: lin_rows: x must be a (B, H, N, D) CUDA tensor");
@@ -449,9 +457,7 @@ Tensor attn_lin_rows(const Tensor& x, const optional<Tensor>& mask, const option
               "attn_cuda: lin_rows: chunk must be a positive multiple of 64 that divides n_pad, got chunk=", chunk,
               ", n_pad=", n_pad);
   TORCH_CHECK(N > 0 && (width == D || width == D + 16) && D % 2 == 0, "attn_cuda: lin_rows: bad shape or width");
-  bool pairs = x.stride(3) == 1 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0;
-  for (int d = 0; d < 3; ++d) pairs = pairs && x.stride(d) % 2 == 0;
-  const Tensor xs = pairs ? x : x.contiguous();
+  const Tensor xs = pairs_aligned(x);
   if (mask) TORCH_CHECK(mask->scalar_type() == at::kBool && mask->is_contiguous() && mask->sizes() == at::IntArrayRef({B, N}),
                         "attn_cuda: lin_rows: mask must be contiguous bool (B, N)");
   if (mu) TORCH_CHECK(mu->scalar_type() == at::kFloat && mu->is_contiguous() && mu->sizes() == at::IntArrayRef({B, H, D}),
@@ -483,7 +489,7 @@ std::tuple<Tensor, Tensor> attn_lin_out(const Tensor& y, const optional<Tensor>&
                   mu.device() == y.device(),
               "attn_cuda: lin_out: mu must be contiguous fp32 (B, H, D) on y's device");
   const c10::cuda::CUDAGuard guard(y.device());
-  Tensor out = at::empty({B, H, n, D}, y.options().dtype(dtype));
+  Tensor out = at::empty({B, n, H, D}, y.options().dtype(dtype)).transpose(1, 2);  // the tiled forward's layout
   Tensor inv_l = at::empty({B, chunks, H, L}, y.options());
   check_ok(attn::run_lin_out(lin_dtype(dtype), y.data_ptr<float>(), o ? o->data_ptr() : nullptr,
                              stat ? stat->data_ptr<float>() : nullptr, mu.data_ptr<float>(), B, H, n, D, n_pad, L,
@@ -506,12 +512,14 @@ std::tuple<Tensor, Tensor> attn_lin_g(const Tensor& dout, const Tensor& out, con
               "attn_cuda: lin_g: mu must be fp32 (B, H, D) and cmax one fp32");
   const int64_t chunks = inv_l.size(1), L = inv_l.size(3), n_pad = chunks * L;
   const c10::cuda::CUDAGuard guard(dout.device());
-  const Tensor dO = dout.contiguous(), O = out.contiguous();
+  const Tensor dO = pairs_aligned(dout), O = pairs_aligned(out);
+  auto strides = [](const Tensor& t) { return attn::RowStrides{t.stride(0), t.stride(1), t.stride(2)}; };
   const auto f32 = inv_l.options();
   Tensor delta = at::empty_like(inv_l), gmax = at::zeros({1}, f32.dtype(at::kInt)), scale = at::empty({1}, f32);
   Tensor g = at::empty({B, chunks, H, L, D + 16}, dout.options());
-  check_ok(attn::run_lin_g(lin_dtype(dout.scalar_type()), dO.data_ptr(), O.data_ptr(), inv_l.data_ptr<float>(),
-                           mu.data_ptr<float>(), cmax.data_ptr<float>(), B, H, n, D, n_pad, L, shift,
+  check_ok(attn::run_lin_g(lin_dtype(dout.scalar_type()), dO.data_ptr(), strides(dO), O.data_ptr(), strides(O),
+                           inv_l.data_ptr<float>(), mu.data_ptr<float>(), cmax.data_ptr<float>(), B, H, n, D, n_pad, L,
+                           shift,
                            delta.data_ptr<float>(), reinterpret_cast<unsigned*>(gmax.data_ptr<int>()), g.data_ptr(),
                            scale.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()),
            "lin_g");

@@ -116,7 +116,7 @@ __global__ void lin_out_kernel(const float* y, const T* o, const float* stat, co
       for (int r = 0; r < kRowsPerWarp; ++r) {
         const int i = t0 + r - shift;
         if (i >= 0 && i < n && t0 + r < n_pad)
-          stg_pair(out + (static_cast<int64_t>(bh) * n + i) * D + d,
+          stg_pair(out + ((static_cast<int64_t>(b) * n + i) * H + h) * D + d,
                    (fmaf(m.x, lm[r], num[r].x) + od[r].x * ld[r]) * inv[r],
                    (fmaf(m.y, lm[r], num[r].y) + od[r].y * ld[r]) * inv[r]);
       }
@@ -127,21 +127,23 @@ __global__ void lin_out_kernel(const float* y, const T* o, const float* stat, co
 // The backward's rows g = [dO, -dO . (O - mu)] / l, first pass: delta = dO . (O - mu) per chunk row, and
 // the largest |g| into gmax (a float's bits: non-negative floats order as unsigned integers).
 template <class T>
-__global__ void lin_delta_kernel(const T* dout, const T* out, const float* inv_l, const float* mu, int H, int n,
-                                 int D, int n_pad, int L, int shift, float* delta, unsigned* gmax) {
+__global__ void lin_delta_kernel(const T* dout, RowStrides ds, const T* out, RowStrides os, const float* inv_l,
+                                 const float* mu, int H, int n, int D, int n_pad, int L, int shift, float* delta,
+                                 unsigned* gmax) {
   const int bh = blockIdx.x, b = bh / H, h = bh % H, lane = threadIdx.x % 32;
-  const T* dO = dout + static_cast<int64_t>(bh) * n * D;
-  const T* O = out + static_cast<int64_t>(bh) * n * D;
+  const T* dO = dout + b * ds.b + h * ds.h;
+  const T* O = out + b * os.b + h * os.h;
   float top = 0.f;
   for_each_row_group(n_pad, [&](int t0) {
     int64_t src[kRowsPerWarp];
     float dot[kRowsPerWarp] = {}, big[kRowsPerWarp] = {};
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) src[r] = min(max(t0 + r - shift, 0), n - 1) * int64_t{D};
+    for (int r = 0; r < kRowsPerWarp; ++r) src[r] = min(max(t0 + r - shift, 0), n - 1);
     for (int d = 2 * lane; d < D; d += 64) {
       float2 a[kRowsPerWarp], c[kRowsPerWarp];
 #pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) a[r] = ldg_pair(dO + src[r] + d), c[r] = ldg_pair(O + src[r] + d);
+      for (int r = 0; r < kRowsPerWarp; ++r)
+        a[r] = ldg_pair(dO + src[r] * ds.i + d), c[r] = ldg_pair(O + src[r] * os.i + d);
       const float2 m = *reinterpret_cast<const float2*>(mu + static_cast<int64_t>(bh) * D + d);
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r) {
@@ -165,11 +167,11 @@ __global__ void lin_delta_kernel(const T* dout, const T* out, const float* inv_l
 // Second pass: g / scale as [x, 1] rows of T, with scale = g_scale(gmax, cmax) (written once, for the
 // caller to undo).
 template <class T>
-__global__ void lin_g_kernel(const T* dout, const float* inv_l, const float* delta, const unsigned* gmax,
-                             const float* cmax, int H, int n, int D, int n_pad, int L, int shift, T* g,
-                             float* scale_out) {
+__global__ void lin_g_kernel(const T* dout, RowStrides ds, const float* inv_l, const float* delta,
+                             const unsigned* gmax, const float* cmax, int H, int n, int D, int n_pad, int L, int shift,
+                             T* g, float* scale_out) {
   const int bh = blockIdx.x, b = bh / H, h = bh % H, lane = threadIdx.x % 32, Dp = D + 16;
-  const T* dO = dout + static_cast<int64_t>(bh) * n * D;
+  const T* dO = dout + b * ds.b + h * ds.h;
   const float scale = g_scale(__uint_as_float(*gmax), *cmax);
   if (bh == 0 && blockIdx.y == 0 && threadIdx.x == 0) *scale_out = scale;
   for_each_row_group(n_pad, [&](int t0) {
@@ -178,7 +180,7 @@ __global__ void lin_g_kernel(const T* dout, const float* inv_l, const float* del
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
       const int i = t0 + r - shift;
-      src[r] = min(max(i, 0), n - 1) * int64_t{D};
+      src[r] = min(max(i, 0), n - 1) * ds.i;
       row[r] = chunk_row(b, h, H, n_pad, L, min(t0 + r, n_pad - 1));
       c[r] = i >= 0 && i < n ? inv_l[row[r]] / scale : 0.f;
     }
@@ -253,17 +255,17 @@ cudaError_t run_lin_out(Dtype dtype, const float* y, const void* o, const float*
   });
 }
 
-cudaError_t run_lin_g(Dtype dtype, const void* dout, const void* out, const float* inv_l, const float* mu,
-                      const float* cmax, int B, int H, int n, int D, int n_pad, int L, int shift, float* delta,
-                      unsigned* gmax, void* g, float* scale, cudaStream_t stream) {
+cudaError_t run_lin_g(Dtype dtype, const void* dout, RowStrides ds, const void* out, RowStrides os,
+                      const float* inv_l, const float* mu, const float* cmax, int B, int H, int n, int D, int n_pad,
+                      int L, int shift, float* delta, unsigned* gmax, void* g, float* scale, cudaStream_t stream) {
   if (B * H == 0 || n_pad == 0) return cudaSuccess;
   return by_half_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     const auto* dO = static_cast<const T*>(dout);
     lin_delta_kernel<T><<<row_grid(B * H, n_pad), kWarps * 32, 0, stream>>>(
-        dO, static_cast<const T*>(out), inv_l, mu, H, n, D, n_pad, L, shift, delta, gmax);
+        dO, ds, static_cast<const T*>(out), os, inv_l, mu, H, n, D, n_pad, L, shift, delta, gmax);
     lin_g_kernel<T><<<row_grid(B * H, n_pad), kWarps * 32, 0, stream>>>(
-        dO, inv_l, delta, gmax, cmax, H, n, D, n_pad, L, shift, static_cast<T*>(g), scale);
+        dO, ds, inv_l, delta, gmax, cmax, H, n, D, n_pad, L, shift, static_cast<T*>(g), scale);
     return cudaGetLastError();
   });
 }

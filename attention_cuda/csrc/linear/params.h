@@ -61,14 +61,19 @@ cudaError_t run_lin_rows(Dtype dtype, const void* x, int64_t sb, int64_t sh, int
                          cudaStream_t stream);
 // out = (num + mu l + o / stat) / (l + 1 / stat) from y = [num, l] (fp32, D + 16 wide; the moments of the
 // values less mu (B, H, D)) and the diagonal blocks' o and stat (null when there are none);
-// inv_l = 1 / (l + 1 / stat) for every chunk row.
+// inv_l = 1 / (l + 1 / stat) for every chunk row. out is (B,H,n,D) over (B,n,H,D) memory, the tiled
+// forward's layout (the model merges the heads with a view).
 cudaError_t run_lin_out(Dtype dtype, const float* y, const void* o, const float* stat, const float* mu, int B, int H,
                         int n, int D, int n_pad, int L, int shift, void* out, float* inv_l, cudaStream_t stream);
+// Element strides of batch, head and row of natural (B,H,n,D) rows whose head dim is contiguous.
+struct RowStrides {
+  int64_t b, h, i;
+};
 // g = [dO, -dO . (O - mu)] * inv_l / scale as D + 16 wide rows, scale a power of two from max |g| and
 // *cmax; delta (chunk rows) and gmax (one word, zero on entry) are scratch.
-cudaError_t run_lin_g(Dtype dtype, const void* dout, const void* out, const float* inv_l, const float* mu,
-                      const float* cmax, int B, int H, int n, int D, int n_pad, int L, int shift, float* delta,
-                      unsigned* gmax, void* g, float* scale, cudaStream_t stream);
+cudaError_t run_lin_g(Dtype dtype, const void* dout, RowStrides ds, const void* out, RowStrides os,
+                      const float* inv_l, const float* mu, const float* cmax, int B, int H, int n, int D, int n_pad,
+                      int L, int shift, float* delta, unsigned* gmax, void* g, float* scale, cudaStream_t stream);
 // out = acc[:, :D] * *scale + diag (diag may be null), back to natural rows.
 cudaError_t run_lin_grad(Dtype dtype, const float* acc, int W, const float* scale, const void* diag, int B, int H,
                          int n, int D, int n_pad, int L, int shift, void* out, cudaStream_t stream);
