@@ -519,9 +519,8 @@ std::tuple<Tensor, Tensor> attn_lin_g(const Tensor& dout, const Tensor& out, con
   Tensor g = at::empty({B, chunks, H, L, D + 16}, dout.options());
   check_ok(attn::run_lin_g(lin_dtype(dout.scalar_type()), dO.data_ptr(), strides(dO), O.data_ptr(), strides(O),
                            inv_l.data_ptr<float>(), mu.data_ptr<float>(), cmax.data_ptr<float>(), B, H, n, D, n_pad, L,
-                           shift,
-                           delta.data_ptr<float>(), reinterpret_cast<unsigned*>(gmax.data_ptr<int>()), g.data_ptr(),
-                           scale.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()),
+                           shift, delta.data_ptr<float>(), reinterpret_cast<unsigned*>(gmax.data_ptr<int>()),
+                           g.data_ptr(), scale.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()),
            "lin_g");
   return {g, scale};
 }
