@@ -147,13 +147,14 @@ attn::ScoreChoice make_score(c10::string_view kind, double scale, optional<doubl
   return choice;
 }
 
+// Element strides of batch, head and row of a (B, H, n, D) tensor whose head dim is contiguous.
+attn::RowStrides row_strides(const Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
 attn::Params make_params(const Call& c, const attn::ScoreChoice& score, bool causal, bool normalize) {
   attn::Params p{};
   p.B = c.B, p.H = c.H, p.Hkv = c.Hkv, p.I = c.I, p.J = c.J, p.group = c.H / c.Hkv;
   p.q = c.q.data_ptr(), p.k = c.k.data_ptr(), p.v = c.v.data_ptr();
-  p.q_sb = c.q.stride(0), p.q_sh = c.q.stride(1), p.q_si = c.q.stride(2);
-  p.k_sb = c.k.stride(0), p.k_sh = c.k.stride(1), p.k_sj = c.k.stride(2);
-  p.v_sb = c.v.stride(0), p.v_sh = c.v.stride(1), p.v_sj = c.v.stride(2);
+  p.qs = row_strides(c.q), p.ks = row_strides(c.k), p.vs = row_strides(c.v);
   if (c.mask.defined()) p.mask = reinterpret_cast<const uint8_t*>(c.mask.data_ptr<bool>()), p.mask_sb = c.mask.stride(0);
   if (c.bias.defined()) {
     p.bias = c.bias.data_ptr();
@@ -191,12 +192,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_fwd(const Tensor& q, con
     // backward takes kn as its k.
     rq = at::empty({c.B, c.H, p.i_pad}, f32), rk = at::empty({c.B, c.Hkv, p.j_pad}, f32);
     kn = at::empty({c.B, c.Hkv, c.J, c.D}, q.options());
-    check_ok(attn::run_row_rnorm(c.dtype, p.k, p.k_sb, p.k_sh, p.k_sj, c.B, c.Hkv, c.J, c.D, p.j_pad,
-                                 rk.data_ptr<float>(), kn.data_ptr(), stream), "k norms");
+    check_ok(attn::run_row_rnorm(c.dtype, p.k, p.ks, c.B, c.Hkv, c.J, c.D, p.j_pad, rk.data_ptr<float>(),
+                                 kn.data_ptr(), stream), "k norms");
     p.rq = rq.data_ptr<float>(), p.rk = rk.data_ptr<float>();
-    p.k = kn.data_ptr(), p.k_sb = kn.stride(0), p.k_sh = kn.stride(1), p.k_sj = kn.stride(2);
+    p.k = kn.data_ptr(), p.ks = row_strides(kn);
   }
-  p.o = out.data_ptr(), p.o_sb = out.stride(0), p.o_sh = out.stride(1), p.o_si = out.stride(2);
+  p.o = out.data_ptr(), p.os = row_strides(out);
   p.stat = stat.data_ptr<float>();
   // A forward block streams its kv head's K and V, which the group's adjacent query heads share.
   p.section = causal ? attn::section_heads(c.B * c.H, 2 * int64_t{c.J} * c.D * q.element_size() / p.group) : 1;
@@ -224,9 +225,7 @@ Tensor attn_decode(const Tensor& q, const Tensor& k, const Tensor& v, const opti
   attn::DecodeParams p{};
   p.B = c.B, p.H = c.H, p.Hkv = c.Hkv, p.J = c.J, p.D = c.D, p.group = c.H / c.Hkv;
   p.q = c.q.data_ptr(), p.k = c.k.data_ptr(), p.v = c.v.data_ptr();
-  p.q_sb = c.q.stride(0), p.q_sh = c.q.stride(1);
-  p.k_sb = c.k.stride(0), p.k_sh = c.k.stride(1), p.k_sj = c.k.stride(2);
-  p.v_sb = c.v.stride(0), p.v_sh = c.v.stride(1), p.v_sj = c.v.stride(2);
+  p.qs = row_strides(c.q), p.ks = row_strides(c.k), p.vs = row_strides(c.v);
   if (c.mask.defined()) p.mask = reinterpret_cast<const uint8_t*>(c.mask.data_ptr<bool>()), p.mask_sb = c.mask.stride(0);
   p.alpha = static_cast<float>(alpha), p.shift = static_cast<float>(std::abs(alpha)), p.qk_norm = qk_norm.has_value();
   int parts = static_cast<int>(std::min<int64_t>(splits, c.J));
@@ -275,8 +274,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_bwd(const Tensor& dout, const Te
   Tensor dv = at::empty({c.B, c.Hkv, c.J, c.D}, q.options());
   Tensor dbias = bias_grad ? at::zeros({c.B, c.H, c.I, c.J}, q.options()) : at::empty({0}, q.options());
   if (qk_norm) p.rq = rq.data_ptr<float>(), p.rk = rk.data_ptr<float>();
-  p.o = out_c.data_ptr(), p.o_sb = out_c.stride(0), p.o_sh = out_c.stride(1), p.o_si = out_c.stride(2);
-  p.dout = dout_c.data_ptr(), p.do_sb = dout_c.stride(0), p.do_sh = dout_c.stride(1), p.do_si = dout_c.stride(2);
+  p.o = out_c.data_ptr(), p.os = row_strides(out_c);
+  p.dout = dout_c.data_ptr(), p.dos = row_strides(dout_c);
   p.stat = stat_c.data_ptr<float>(), p.dq_accum = dq_accum.data_ptr<float>();
   p.qscale = rows[0].data_ptr<float>(), p.dp_scale = rows[1].data_ptr<float>(), p.dp_offset = rows[2].data_ptr<float>();
   p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
@@ -513,11 +512,10 @@ std::tuple<Tensor, Tensor> attn_lin_g(const Tensor& dout, const Tensor& out, con
   const int64_t chunks = inv_l.size(1), L = inv_l.size(3), n_pad = chunks * L;
   const c10::cuda::CUDAGuard guard(dout.device());
   const Tensor dO = pairs_aligned(dout), O = pairs_aligned(out);
-  auto strides = [](const Tensor& t) { return attn::RowStrides{t.stride(0), t.stride(1), t.stride(2)}; };
   const auto f32 = inv_l.options();
   Tensor delta = at::empty_like(inv_l), gmax = at::zeros({1}, f32.dtype(at::kInt)), scale = at::empty({1}, f32);
   Tensor g = at::empty({B, chunks, H, L, D + 16}, dout.options());
-  check_ok(attn::run_lin_g(lin_dtype(dout.scalar_type()), dO.data_ptr(), strides(dO), O.data_ptr(), strides(O),
+  check_ok(attn::run_lin_g(lin_dtype(dout.scalar_type()), dO.data_ptr(), row_strides(dO), O.data_ptr(), row_strides(O),
                            inv_l.data_ptr<float>(), mu.data_ptr<float>(), cmax.data_ptr<float>(), B, H, n, D, n_pad, L,
                            shift, delta.data_ptr<float>(), reinterpret_cast<unsigned*>(gmax.data_ptr<int>()),
                            g.data_ptr(), scale.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()),

@@ -15,6 +15,13 @@ enum class Dtype { kF16, kBF16, kF32 };
 // row), so the backward never reads an unwritten value.
 inline int pad4(int n) { return (n + 3) / 4 * 4; }
 
+// Element strides of batch, head and row of (B,H,n,D) rows whose head dim is contiguous.
+struct RowStrides {
+  int64_t b, h, i;
+  // Elements from the start to (batch, head)'s first row.
+  __host__ __device__ int64_t offset(int batch, int head) const { return batch * b + head * h; }
+};
+
 constexpr float kNormEps = 1e-12f;  // same clamp as torch.nn.functional.normalize
 
 }  // namespace attn

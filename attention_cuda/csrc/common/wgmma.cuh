@@ -16,6 +16,7 @@
 #include <cudaTypedefs.h>  // the driver's tensor-map types (the entry point is fetched at run time)
 
 #include "mma.cuh"
+#include "params.h"
 
 namespace attn {
 
@@ -233,11 +234,11 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
 }
 
 // Host: a 4-D tensor map over x (rows, heads, batch) of D-element rows, the head dim contiguous, with
-// element strides (si, sh, sb), read in boxes of 32 columns x box_rows rows, each landing as one panel
+// strides xs, read in boxes of 32 columns x box_rows rows, each landing as one panel
 // of the 64-byte swizzled layout above. False where TMA cannot describe the tensor (alignment,
 // strides), or the driver has no tensor maps: the caller keeps a kernel that loads without them.
 inline bool make_tensor_map(CUtensorMap* map, const void* x, bool bf16, int D, int rows, int heads, int batch,
-                            int64_t si, int64_t sh, int64_t sb, int box_rows) {
+                            RowStrides xs, int box_rows) {
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found;
@@ -252,7 +253,7 @@ inline bool make_tensor_map(CUtensorMap* map, const void* x, bool bf16, int D, i
   auto stride = [](int64_t s, int n) { return static_cast<cuuint64_t>(n == 1 ? 16 : s * 2); };
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(D), static_cast<cuuint64_t>(rows),
                               static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
-  const cuuint64_t strides[3] = {stride(si, rows), stride(sh, heads), stride(sb, batch)};
+  const cuuint64_t strides[3] = {stride(xs.i, rows), stride(xs.h, heads), stride(xs.b, batch)};
   const cuuint32_t box[4] = {32, static_cast<cuuint32_t>(box_rows), 1, 1}, step[4] = {1, 1, 1, 1};
   return encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
                 const_cast<void*>(x), dims, strides, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,

@@ -108,9 +108,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocks<T, G>) decode_ke
   // The u-th row of a warp's step at j0 is key j0 + u R + r, at kp + u k_row (vp + u v_row). The mask of the
   // next step is read while this step's rows arrive, the first step's while q does.
   int j0 = start + warp * kStep;
-  const T* kp = static_cast<const T*>(p.k) + b * p.k_sb + hkv * p.k_sh + (j0 + r) * p.k_sj + col;
-  const T* vp = static_cast<const T*>(p.v) + b * p.v_sb + hkv * p.v_sh + (j0 + r) * p.v_sj + col;
-  const int64_t k_row = R * p.k_sj, v_row = R * p.v_sj;
+  const T* kp = static_cast<const T*>(p.k) + p.ks.offset(b, hkv) + (j0 + r) * p.ks.i + col;
+  const T* vp = static_cast<const T*>(p.v) + p.vs.offset(b, hkv) + (j0 + r) * p.vs.i + col;
+  const int64_t k_row = R * p.ks.i, v_row = R * p.vs.i;
   bool keep[kUnroll];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) keep[u] = kept(j0 + u * R + r);
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocks<T, G>) decode_ke
   float q[G][kElems];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    to_floats(q[g], load_slice(static_cast<const T*>(p.q) + b * p.q_sb + (h0 + g) * p.q_sh + col, has_col));
+    to_floats(q[g], load_slice(static_cast<const T*>(p.q) + p.qs.offset(b, h0 + g) + col, has_col));
     float c = p.alpha;
     if constexpr (kNorm) {
       float ss = 0.f;

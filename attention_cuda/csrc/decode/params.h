@@ -16,10 +16,9 @@ constexpr int kDecodeMaxDim = 128;
 struct DecodeParams {
   int B, H, Hkv, J, D;
   int group;  // H / Hkv query heads per kv head
-  // q (B, H, 1, D), k and v (B, Hkv, J, D): element strides of batch, head and key; the head dim is
-  // contiguous and every row starts 16-byte aligned.
+  // q (B, H, 1, D), k and v (B, Hkv, J, D), each with its strides; every row starts 16-byte aligned.
   const void *q, *k, *v;
-  int64_t q_sb, q_sh, k_sb, k_sh, k_sj, v_sb, v_sh, v_sj;
+  RowStrides qs, ks, vs;
   const uint8_t* mask;  // (B, J) bool, True = keep, contiguous along J; null for none
   int64_t mask_sb;
   // A key's weight is exp2(alpha (q.k) - shift) (log2 units), with q and k scaled to unit rows first when

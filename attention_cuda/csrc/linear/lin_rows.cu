@@ -131,8 +131,8 @@ __global__ void lin_delta_kernel(const T* dout, RowStrides ds, const T* out, Row
                                  const float* mu, int H, int n, int D, int n_pad, int L, int shift, float* delta,
                                  unsigned* gmax) {
   const int bh = blockIdx.x, b = bh / H, h = bh % H, lane = threadIdx.x % 32;
-  const T* dO = dout + b * ds.b + h * ds.h;
-  const T* O = out + b * os.b + h * os.h;
+  const T* dO = dout + ds.offset(b, h);
+  const T* O = out + os.offset(b, h);
   float top = 0.f;
   for_each_row_group(n_pad, [&](int t0) {
     int64_t src[kRowsPerWarp];
@@ -171,7 +171,7 @@ __global__ void lin_g_kernel(const T* dout, RowStrides ds, const float* inv_l, c
                              const unsigned* gmax, const float* cmax, int H, int n, int D, int n_pad, int L, int shift,
                              T* g, float* scale_out) {
   const int bh = blockIdx.x, b = bh / H, h = bh % H, lane = threadIdx.x % 32, Dp = D + 16;
-  const T* dO = dout + b * ds.b + h * ds.h;
+  const T* dO = dout + ds.offset(b, h);
   const float scale = g_scale(__uint_as_float(*gmax), *cmax);
   if (bh == 0 && blockIdx.y == 0 && threadIdx.x == 0) *scale_out = scale;
   for_each_row_group(n_pad, [&](int t0) {

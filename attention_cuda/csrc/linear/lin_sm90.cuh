@@ -480,8 +480,8 @@ cudaError_t run_lin_state(const LinStateParams& p, cudaStream_t stream) {
   args.p = p;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   const int n = static_cast<int>(rows);
-  if (!make_tensor_map(&args.x, p.x, kBf16, D + 16, n, 1, 1, D + 16, 0, 0, C::kRows) ||
-      !make_tensor_map(&args.w, p.w, kBf16, D + 16, n, 1, 1, D + 16, 0, 0, C::kRows))
+  if (!make_tensor_map(&args.x, p.x, kBf16, D + 16, n, 1, 1, RowStrides{0, 0, D + 16}, C::kRows) ||
+      !make_tensor_map(&args.w, p.w, kBf16, D + 16, n, 1, 1, RowStrides{0, 0, D + 16}, C::kRows))
     return cudaErrorNotSupported;
   return launch(lin_state_kernel<T, D>, dim3(slabs, p.B * p.Hkv), int64_t{slabs} * p.B * p.Hkv, C::kThreads,
                 C::kBytes, args, stream);

@@ -65,10 +65,6 @@ cudaError_t run_lin_rows(Dtype dtype, const void* x, int64_t sb, int64_t sh, int
 // forward's layout (the model merges the heads with a view).
 cudaError_t run_lin_out(Dtype dtype, const float* y, const void* o, const float* stat, const float* mu, int B, int H,
                         int n, int D, int n_pad, int L, int shift, void* out, float* inv_l, cudaStream_t stream);
-// Element strides of batch, head and row of natural (B,H,n,D) rows whose head dim is contiguous.
-struct RowStrides {
-  int64_t b, h, i;
-};
 // g = [dO, -dO . (O - mu)] * inv_l / scale as D + 16 wide rows, scale a power of two from max |g| and
 // *cmax; delta (chunk rows) and gmax (one word, zero on entry) are scratch.
 cudaError_t run_lin_g(Dtype dtype, const void* dout, RowStrides ds, const void* out, RowStrides os,

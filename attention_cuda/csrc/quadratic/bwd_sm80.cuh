@@ -245,22 +245,22 @@ struct BwdWalk {
   template <class Tl>
   __device__ void load_kv(Tl sK, Tl sV) const {
     constexpr int kRowBytes = D * sizeof(T);
-    const T* k = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh;
-    const T* v = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh;
-    cp_tile<kBc, kRowBytes, kThreads>(sK, reinterpret_cast<const char*>(k + n0 * p.k_sj), p.k_sj * sizeof(T),
+    const T* k = static_cast<const T*>(p.k) + p.ks.offset(b, hk);
+    const T* v = static_cast<const T*>(p.v) + p.vs.offset(b, hk);
+    cp_tile<kBc, kRowBytes, kThreads>(sK, reinterpret_cast<const char*>(k + n0 * p.ks.i), p.ks.i * sizeof(T),
                                       p.J - n0, k);
-    cp_tile<kBc, kRowBytes, kThreads>(sV, reinterpret_cast<const char*>(v + n0 * p.v_sj), p.v_sj * sizeof(T),
+    cp_tile<kBc, kRowBytes, kThreads>(sV, reinterpret_cast<const char*>(v + n0 * p.vs.i), p.vs.i * sizeof(T),
                                       p.J - n0, v);
   }
   template <class Tl>
   __device__ void load_q(Pos at, Tl sQ, Tl sDO, uint32_t vec) const {
     constexpr int kRowBytes = D * sizeof(T);
-    const T* q = static_cast<const T*>(p.q) + b * p.q_sb + at.h * p.q_sh;
-    const T* dout = static_cast<const T*>(p.dout) + b * p.do_sb + at.h * p.do_sh;
-    cp_tile<kBr, kRowBytes, kThreads>(sQ, reinterpret_cast<const char*>(q + at.m0 * p.q_si), p.q_si * sizeof(T),
+    const T* q = static_cast<const T*>(p.q) + p.qs.offset(b, at.h);
+    const T* dout = static_cast<const T*>(p.dout) + p.dos.offset(b, at.h);
+    cp_tile<kBr, kRowBytes, kThreads>(sQ, reinterpret_cast<const char*>(q + at.m0 * p.qs.i), p.qs.i * sizeof(T),
                                       p.I - at.m0, q);
-    cp_tile<kBr, kRowBytes, kThreads>(sDO, reinterpret_cast<const char*>(dout + at.m0 * p.do_si),
-                                      p.do_si * sizeof(T), p.I - at.m0, dout);
+    cp_tile<kBr, kRowBytes, kThreads>(sDO, reinterpret_cast<const char*>(dout + at.m0 * p.dos.i),
+                                      p.dos.i * sizeof(T), p.I - at.m0, dout);
     const int64_t row = static_cast<int64_t>(b * p.H + at.h) * p.i_pad + at.m0;
 #pragma unroll
     for (int i = 0; i < kBwdVecs; ++i) cp_floats<kBr>(vec + i * kBr * 4, bwd_vec_source(p, i) + row, p.i_pad - at.m0);

@@ -125,8 +125,8 @@ struct FwdBlock {
     bh = slot.head;
     m0 = (m_blocks - 1 - slot.rank) * kBr;
     const int b = bh / p.H, h = bh % p.H, hk = h / p.group;
-    k = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh;
-    v = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh;
+    k = static_cast<const T*>(p.k) + p.ks.offset(b, hk);
+    v = static_cast<const T*>(p.v) + p.vs.offset(b, hk);
     bias = p.bias ? static_cast<const T*>(p.bias) + b * p.bias_sb + h * p.bias_sh : nullptr;
     mask = p.mask ? p.mask + b * p.mask_sb : nullptr;
     row_vec = static_cast<int64_t>(bh) * p.i_pad;
@@ -136,17 +136,17 @@ struct FwdBlock {
 
   template <class Dst>
   __device__ __forceinline__ void load_q(const Dst& sq) const {
-    const T* q = static_cast<const T*>(p.q) + bh / p.H * p.q_sb + bh % p.H * p.q_sh;
-    cp_tile<kBr, kRowBytes, kThreads>(sq, reinterpret_cast<const char*>(q + m0 * p.q_si), p.q_si * sizeof(T),
+    const T* q = static_cast<const T*>(p.q) + p.qs.offset(bh / p.H, bh % p.H);
+    cp_tile<kBr, kRowBytes, kThreads>(sq, reinterpret_cast<const char*>(q + m0 * p.qs.i), p.qs.i * sizeof(T),
                                       min(kBr, p.I - m0), q);
   }
   // K/V tile `tile` into one stage.
   template <class Dst>
   __device__ __forceinline__ void load_kv(int tile, const Dst& sk, const Dst& sv) const {
     const int n0 = tile * kBc;
-    cp_tile<kBc, kRowBytes, kThreads>(sk, reinterpret_cast<const char*>(k + n0 * p.k_sj), p.k_sj * sizeof(T), p.J - n0,
+    cp_tile<kBc, kRowBytes, kThreads>(sk, reinterpret_cast<const char*>(k + n0 * p.ks.i), p.ks.i * sizeof(T), p.J - n0,
                                       k);
-    cp_tile<kBc, kRowBytes, kThreads>(sv, reinterpret_cast<const char*>(v + n0 * p.v_sj), p.v_sj * sizeof(T), p.J - n0,
+    cp_tile<kBc, kRowBytes, kThreads>(sv, reinterpret_cast<const char*>(v + n0 * p.vs.i), p.vs.i * sizeof(T), p.J - n0,
                                       v);
   }
   // alpha/|q| (alpha without the qk norm) of this thread's rows wrow + 16 mt + g + 8 hf, from the Q tile
@@ -197,13 +197,13 @@ struct FwdBlock {
         }
       }
     __syncwarp();
-    T* out = static_cast<T*>(p.o) + bh / p.H * p.o_sb + bh % p.H * p.o_sh + m0 * p.o_si;
+    T* out = static_cast<T*>(p.o) + p.os.offset(bh / p.H, bh % p.H) + m0 * p.os.i;
     constexpr int kChunks = kRowBytes / 16;
 #pragma unroll
     for (int c = lane; c < 16 * kMT * kChunks; c += 32) {
       const int r = wrow + c / kChunks, x = c % kChunks;
       if (m0 + r < p.I)
-        *reinterpret_cast<uint4*>(reinterpret_cast<char*>(out + r * p.o_si) + x * 16) = lds128(sq.at(r, x * 16));
+        *reinterpret_cast<uint4*>(reinterpret_cast<char*>(out + r * p.os.i) + x * 16) = lds128(sq.at(r, x * 16));
     }
   }
 };

@@ -13,10 +13,10 @@ template <class T, int D>
 bool operand_map(CUtensorMap* map, const Params& p, Operand x, int box) {
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   switch (x) {
-    case Operand::kQ: return make_tensor_map(map, p.q, kBf16, D, p.I, p.H, p.B, p.q_si, p.q_sh, p.q_sb, box);
-    case Operand::kK: return make_tensor_map(map, p.k, kBf16, D, p.J, p.Hkv, p.B, p.k_sj, p.k_sh, p.k_sb, box);
-    case Operand::kV: return make_tensor_map(map, p.v, kBf16, D, p.J, p.Hkv, p.B, p.v_sj, p.v_sh, p.v_sb, box);
-    case Operand::kDout: return make_tensor_map(map, p.dout, kBf16, D, p.I, p.H, p.B, p.do_si, p.do_sh, p.do_sb, box);
+    case Operand::kQ: return make_tensor_map(map, p.q, kBf16, D, p.I, p.H, p.B, p.qs, box);
+    case Operand::kK: return make_tensor_map(map, p.k, kBf16, D, p.J, p.Hkv, p.B, p.ks, box);
+    case Operand::kV: return make_tensor_map(map, p.v, kBf16, D, p.J, p.Hkv, p.B, p.vs, box);
+    case Operand::kDout: return make_tensor_map(map, p.dout, kBf16, D, p.I, p.H, p.B, p.dos, box);
   }
   return false;
 }

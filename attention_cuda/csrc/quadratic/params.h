@@ -26,9 +26,9 @@ struct Params {
   int B, H, Hkv, I, J;
   int group;  // H / Hkv query heads per kv head
 
-  // q (B,H,I,D), k and v (B,Hkv,J,D): element strides of batch, head and row; the head dim is contiguous.
+  // q (B,H,I,D), k and v (B,Hkv,J,D), each with its strides.
   const void *q, *k, *v;
-  int64_t q_sb, q_sh, q_si, k_sb, k_sh, k_sj, v_sb, v_sh, v_sj;
+  RowStrides qs, ks, vs;
   const uint8_t* mask;  // (B, J) bool, True = keep; null for none
   int64_t mask_sb;
   const void* bias;  // (B,H,I,J) in q's dtype (any strides, 0 on broadcast dims); null for none
@@ -44,14 +44,14 @@ struct Params {
 
   ScoreParams score;  // the logit's scales and the score function's constants (score/score.cuh)
 
-  // o and dout (B,H,I,D): element strides of batch, head and row, the head dim contiguous. The forward
-  // writes o as (B,I,H,D) rows, the layout the model's output projection reads (no copy around the op).
+  // o and dout (B,H,I,D), each with its strides. The forward writes o as (B,I,H,D) rows, the layout the
+  // model's output projection reads (no copy around the op).
   void* o;
-  int64_t o_sb, o_sh, o_si;
+  RowStrides os;
   float* stat;  // (B,H,i_pad): 1/l, or with a running max m: m + log2(l) (score/score.cuh)
 
   const void* dout;
-  int64_t do_sb, do_sh, do_si;
+  RowStrides dos;
   // The backward's per-query vectors, (B,H,i_pad) each, written by run_delta from delta = rowsum(dO * O)
   // (0 without normalisation). qscale = alpha rq is the query's logit scale (alpha without the qk norm).
   // dL/dx is linear in dP - delta, and dS~ = dL/dx * qscale, so the kernels take dL/dx of dP dp_scale -
@@ -85,10 +85,10 @@ __host__ __device__ __forceinline__ int dq_tiled_rows(int I) {
 }
 
 // Row-wise passes around the tiled kernels (quadratic/rows.cu).
-// r = 1 / max(|x_row|, eps) for x (B,H,N,D) with element strides (sb, sh, si), into out (B,H,n_pad), and
-// the rows x r in x's type into unit (B,H,N,D), contiguous.
-cudaError_t run_row_rnorm(Dtype dtype, const void* x, int64_t sb, int64_t sh, int64_t si, int B, int H, int N,
-                          int D, int n_pad, float* out, void* unit, cudaStream_t stream);
+// r = 1 / max(|x_row|, eps) for x (B,H,N,D) with strides xs, into out (B,H,n_pad), and the rows x r in x's
+// type into unit (B,H,N,D), contiguous.
+cudaError_t run_row_rnorm(Dtype dtype, const void* x, RowStrides xs, int B, int H, int N, int D, int n_pad,
+                          float* out, void* unit, cudaStream_t stream);
 // qscale, dp_scale and dp_offset (Params) from delta = rowsum(dO * O).
 cudaError_t run_delta(Dtype dtype, const Params& p, int D, cudaStream_t stream);
 // dq = c (U - rq^2 (q.U) q) from U = p.dq_accum (or c U without qk norm), into p.dq; U in rows, or in the

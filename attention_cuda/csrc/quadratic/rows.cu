@@ -83,17 +83,16 @@ cudaError_t with_row_lanes(int D, F&& f) {
 }
 
 template <class T, int L>
-__global__ void row_rnorm_kernel(const T* x, int64_t sb, int64_t sh, int64_t si, int H, int N, int D, int n_pad,
-                                 float* out, T* unit) {
+__global__ void row_rnorm_kernel(const T* x, RowStrides xs, int H, int N, int D, int n_pad, float* out, T* unit) {
   using S = RowSlice<L>;
   const int bh = blockIdx.x;
-  const T* head = x + (bh / H) * sb + (bh % H) * sh;
+  const T* head = x + xs.offset(bh / H, bh % H);
   const S s;
   for_each_row_group(n_pad, [&](int t0) {
     float v[S::kJ][kVec] = {};
     if (s.col < D) {
 #pragma unroll
-      for (int j = 0; j < S::kJ; ++j) ldg_vec(v[j], head + min(s.row(t0, j), N - 1) * si + s.col);
+      for (int j = 0; j < S::kJ; ++j) ldg_vec(v[j], head + min(s.row(t0, j), N - 1) * xs.i + s.col);
     }
 #pragma unroll
     for (int j = 0; j < S::kJ; ++j) {
@@ -117,8 +116,8 @@ template <class T, int L>
 __global__ void delta_kernel(const Params p, int D) {
   using S = RowSlice<L>;
   const int bh = blockIdx.x;
-  const T* o = static_cast<const T*>(p.o) + bh / p.H * p.o_sb + bh % p.H * p.o_sh;
-  const T* dout = static_cast<const T*>(p.dout) + bh / p.H * p.do_sb + bh % p.H * p.do_sh;
+  const T* o = static_cast<const T*>(p.o) + p.os.offset(bh / p.H, bh % p.H);
+  const T* dout = static_cast<const T*>(p.dout) + p.dos.offset(bh / p.H, bh % p.H);
   const S s;
   for_each_row_group(p.i_pad, [&](int t0) {
     float a[S::kJ][kVec] = {}, b[S::kJ][kVec] = {};
@@ -126,8 +125,8 @@ __global__ void delta_kernel(const Params p, int D) {
 #pragma unroll
       for (int j = 0; j < S::kJ; ++j) {
         const int64_t row = min(s.row(t0, j), p.I - 1);
-        ldg_vec(a[j], o + row * p.o_si + s.col);
-        ldg_vec(b[j], dout + row * p.do_si + s.col);
+        ldg_vec(a[j], o + row * p.os.i + s.col);
+        ldg_vec(b[j], dout + row * p.dos.i + s.col);
       }
     }
 #pragma unroll
@@ -160,7 +159,7 @@ template <class T, int L>
 __global__ void dq_finalize_kernel(const Params p, int D) {
   using S = RowSlice<L>;
   const int bh = blockIdx.x;
-  const T* q = static_cast<const T*>(p.q) + (bh / p.H) * p.q_sb + (bh % p.H) * p.q_sh;
+  const T* q = static_cast<const T*>(p.q) + p.qs.offset(bh / p.H, bh % p.H);
   const float* u = p.dq_accum + static_cast<int64_t>(bh) * p.I * D;
   T* dq = static_cast<T*>(p.dq) + static_cast<int64_t>(bh) * p.I * D;
   const S s;
@@ -170,7 +169,7 @@ __global__ void dq_finalize_kernel(const Params p, int D) {
     for (int j = 0; j < S::kJ; ++j) {
       const int t = min(s.row(t0, j), p.I - 1);
       if (s.col < D) {
-        if (p.rq) ldg_vec(a[j], q + t * p.q_si + s.col);
+        if (p.rq) ldg_vec(a[j], q + t * p.qs.i + s.col);
         ldg_vec(b[j], u + static_cast<int64_t>(t) * D + s.col);
       }
       if (p.rq) rq[j] = p.rq[static_cast<int64_t>(bh) * p.i_pad + t];
@@ -212,13 +211,13 @@ __global__ void __launch_bounds__(kWarps * 32) dq_finalize_tiles_kernel(const Pa
   for (int i = 0; i < kLoads; ++i) v[i] = u[i * kWarps * 32 + threadIdx.x];
   // This warp's rows of q and rq, loading while U's arrive.
   const int lane = threadIdx.x % 32, col = lane % kLanes * 4, r0 = threadIdx.x / 32 * kRowsPerWarp + lane / kLanes;
-  const T* q = static_cast<const T*>(p.q) + (bh / p.H) * p.q_sb + (bh % p.H) * p.q_sh;
+  const T* q = static_cast<const T*>(p.q) + p.qs.offset(bh / p.H, bh % p.H);
   float a[kSteps][4] = {}, rq[kSteps] = {};
   if (p.rq) {
 #pragma unroll
     for (int j = 0; j < kSteps; ++j) {
       const int t = t0 + r0 + j * kRowsPerLoad;
-      ldg_vec(a[j], q + min(t, p.I - 1) * p.q_si + col);
+      ldg_vec(a[j], q + min(t, p.I - 1) * p.qs.i + col);
       rq[j] = p.rq[static_cast<int64_t>(bh) * p.i_pad + min(t, p.i_pad - 1)];
     }
   }
@@ -249,14 +248,14 @@ __global__ void __launch_bounds__(kWarps * 32) dq_finalize_tiles_kernel(const Pa
 
 }  // namespace
 
-cudaError_t run_row_rnorm(Dtype dtype, const void* x, int64_t sb, int64_t sh, int64_t si, int B, int H, int N,
-                          int D, int n_pad, float* out, void* unit, cudaStream_t stream) {
+cudaError_t run_row_rnorm(Dtype dtype, const void* x, RowStrides xs, int B, int H, int N, int D, int n_pad,
+                          float* out, void* unit, cudaStream_t stream) {
   if (B * H == 0 || n_pad == 0) return cudaSuccess;
   return by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     return with_row_lanes(D, [&](auto lanes) {
       row_rnorm_kernel<T, lanes><<<row_grid(B * H, n_pad), kWarps * 32, 0, stream>>>(
-          static_cast<const T*>(x), sb, sh, si, H, N, D, n_pad, out, static_cast<T*>(unit));
+          static_cast<const T*>(x), xs, H, N, D, n_pad, out, static_cast<T*>(unit));
       return cudaGetLastError();
     });
   });
