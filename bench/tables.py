@@ -137,10 +137,13 @@ SEEDS, OLMO2, OLMO2_LONG = ("bench/results_seeds.json", "bench/results_olmo2.jso
 COSINE_SHAPES = [("b4 h8 d64", SEEDS, 4, 8, 64, (4096, 8192, 16384)),
                  ("b1 h32 d128 (OLMo-2 7B layer)", OLMO2, 1, 32, 128, (4096,)),
                  ("b1 h32 d128", OLMO2_LONG, 1, 32, 128, (8192, 16384))]
+# The same kernels on an H100 (the seeds preset; H100 and H200 figures are quoted apart).
+COSINE_SHAPES_H100 = [("b4 h8 d64", "bench/runs/2026-11-27_s45_results_seeds-h100.json", 4, 8, 64,
+                       (4096, 8192, 16384))]
 
 
-def _cosine_cases(src: Sources):
-    for label, rel, b, h, d, lengths in COSINE_SHAPES:
+def _cosine_cases(src: Sources, shapes=COSINE_SHAPES):
+    for label, rel, b, h, d, lengths in shapes:
         bench = src.bench(rel)
         for n in lengths:
             yield label, n, bench, dict(batch=b, heads=h, dim_head=d, seq_len=n, family="cosine", dtype="bf16",
@@ -156,9 +159,9 @@ def _ratio_pair(bench: Bench, case: dict, pass_: str, other: str) -> str:
                         / bench.ms(impl=other, causal=c, **{"pass": pass_}, **case), 2) for c in (False, True))
 
 
-def cosine_vs_cudnn(src: Sources, link: Link) -> list[str]:
+def cosine_vs_cudnn(src: Sources, link: Link, shapes=COSINE_SHAPES) -> list[str]:
     rows = []
-    for label, n, bench, case in _cosine_cases(src):
+    for label, n, bench, case in _cosine_cases(src, shapes):
         tf = [f"{bench.tflops(impl=i, causal=False, **{'pass': p}, **case):.0f}" for p in ("fwd", "bwd")
               for i in ("ours", "cudnn")]
         rows.append([label, thousands(n), _ratio_pair(bench, case, "fwd", "cudnn"),
@@ -167,7 +170,11 @@ def cosine_vs_cudnn(src: Sources, link: Link) -> list[str]:
                     "forward TFLOP/s (cuDNN)", "backward TFLOP/s (cuDNN)"], rows, right={1}),
             "",
             "Our time over SDPA-cuDNN's on normalised q/k, same run (< 1 is faster); TFLOP/s non-causal, "
-            "FlashAttention's FLOP count. " + _sources_line(src, link, [SEEDS, OLMO2, OLMO2_LONG])]
+            "FlashAttention's FLOP count. " + _sources_line(src, link, [shape[1] for shape in shapes])]
+
+
+def cosine_vs_cudnn_h100(src: Sources, link: Link) -> list[str]:
+    return cosine_vs_cudnn(src, link, COSINE_SHAPES_H100)
 
 
 def cosine_headline(src: Sources, link: Link) -> list[str]:
@@ -504,6 +511,7 @@ def _mean_std(values: list[float]) -> str:
 TABLES: dict[str, Callable[[Sources, Link], list[str]]] = {
     "cosine-headline": cosine_headline,
     "cosine-vs-cudnn": cosine_vs_cudnn,
+    "cosine-vs-cudnn-h100": cosine_vs_cudnn_h100,
     "cosine-vs-flash": cosine_vs_flash,
     "cosine-passes": cosine_passes,
     "cosine-fp32": cosine_fp32,
