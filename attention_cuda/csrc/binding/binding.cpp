@@ -463,7 +463,7 @@ Tensor attn_lin_rows(const Tensor& x, const optional<Tensor>& mask, const option
                       "attn_cuda: lin_rows: mu must be contiguous fp32 (B, H, D)");
   const c10::cuda::CUDAGuard guard(x.device());
   Tensor dst = at::empty({B, n_pad / chunk, H, chunk, width}, x.options());
-  check_ok(attn::run_lin_rows(lin_dtype(x.scalar_type()), xs.data_ptr(), xs.stride(0), xs.stride(1), xs.stride(2),
+  check_ok(attn::run_lin_rows(lin_dtype(x.scalar_type()), xs.data_ptr(), row_strides(xs),
                               mask ? mask->data_ptr<bool>() : nullptr, mu ? mu->data_ptr<float>() : nullptr, B, H, N,
                               D, width, n_pad, chunk, shift, dst.data_ptr(), c10::cuda::getCurrentCUDAStream()),
            "lin_rows");
@@ -601,9 +601,8 @@ Tensor attn_rope_merge(const Tensor& dq, const Tensor& dk, const Tensor& dv, con
   p.B = B, p.T = T, p.H = H, p.Hkv = Hkv, p.D = D;
   p.cos = cos.data_ptr<float>(), p.sin = sin.data_ptr<float>();
   p.qkv = qkv.data_ptr(), p.qkv_sb = qkv.stride(0), p.qkv_st = qkv.stride(1);
-  p.q = q.data_ptr(), p.q_sb = q.stride(0), p.q_sh = q.stride(1), p.q_st = q.stride(2);
-  p.k = k.data_ptr(), p.k_sb = k.stride(0), p.k_sh = k.stride(1), p.k_st = k.stride(2);
-  p.v = v.data_ptr(), p.v_sb = v.stride(0), p.v_sh = v.stride(1), p.v_st = v.stride(2);
+  p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr();
+  p.qs = row_strides(q), p.ks = row_strides(k), p.vs = row_strides(v);
   check_ok(attn::run_rope_merge(dtype, p, c10::cuda::getCurrentCUDAStream()), "rope_merge");
   return qkv;
 }

@@ -42,10 +42,10 @@ __device__ __forceinline__ float g_scale(float gmax, float cmax) {
 }
 
 template <class T>
-__global__ void lin_rows_kernel(const T* x, int64_t sb, int64_t sh, int64_t si, const bool* mask, const float* mu,
-                                int H, int N, int D, int W, int n_pad, int L, int shift, T* dst) {
+__global__ void lin_rows_kernel(const T* x, RowStrides xs, const bool* mask, const float* mu, int H, int N, int D,
+                                int W, int n_pad, int L, int shift, T* dst) {
   const int bh = blockIdx.x, b = bh / H, h = bh % H, lane = threadIdx.x % 32;
-  const T* head = x + b * sb + h * sh;
+  const T* head = x + xs.offset(b, h);
   for_each_row_group(n_pad, [&](int t0) {
     bool keep[kRowsPerWarp];
     int64_t src[kRowsPerWarp], row[kRowsPerWarp];
@@ -53,7 +53,7 @@ __global__ void lin_rows_kernel(const T* x, int64_t sb, int64_t sh, int64_t si, 
     for (int r = 0; r < kRowsPerWarp; ++r) {
       const int n = t0 + r - shift;
       keep[r] = n >= 0 && n < N && (!mask || mask[static_cast<int64_t>(b) * N + n]);
-      src[r] = min(max(n, 0), N - 1) * si;
+      src[r] = min(max(n, 0), N - 1) * xs.i;
       row[r] = chunk_row(b, h, H, n_pad, L, min(t0 + r, n_pad - 1)) * W;
     }
     for (int d = 2 * lane; d < D; d += 64) {
@@ -232,14 +232,13 @@ cudaError_t by_half_dtype(Dtype dtype, F&& f) {
 
 }  // namespace
 
-cudaError_t run_lin_rows(Dtype dtype, const void* x, int64_t sb, int64_t sh, int64_t si, const bool* mask,
-                         const float* mu, int B, int H, int N, int D, int W, int n_pad, int L, int shift, void* dst,
-                         cudaStream_t stream) {
+cudaError_t run_lin_rows(Dtype dtype, const void* x, RowStrides xs, const bool* mask, const float* mu, int B,
+                         int H, int N, int D, int W, int n_pad, int L, int shift, void* dst, cudaStream_t stream) {
   if (B * H == 0 || n_pad == 0) return cudaSuccess;
   return by_half_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     lin_rows_kernel<T><<<row_grid(B * H, n_pad), kWarps * 32, 0, stream>>>(
-        static_cast<const T*>(x), sb, sh, si, mask, mu, H, N, D, W, n_pad, L, shift, static_cast<T*>(dst));
+        static_cast<const T*>(x), xs, mask, mu, H, N, D, W, n_pad, L, shift, static_cast<T*>(dst));
     return cudaGetLastError();
   });
 }

@@ -56,9 +56,8 @@ struct LinReadParams {
 // The linear form's row passes (linear/lin_rows.cu), between natural (B,H,n,D) rows (contiguous unless
 // strides are given) and chunk-major (B, n_pad / L, H, L, W) ones whose row t holds row t - shift.
 // x - mu[b,h] where mask (B,N) keeps the row (else 0); W = D + 16 adds the columns [keep, 0 ... 0].
-cudaError_t run_lin_rows(Dtype dtype, const void* x, int64_t sb, int64_t sh, int64_t si, const bool* mask,
-                         const float* mu, int B, int H, int N, int D, int W, int n_pad, int L, int shift, void* dst,
-                         cudaStream_t stream);
+cudaError_t run_lin_rows(Dtype dtype, const void* x, RowStrides xs, const bool* mask, const float* mu, int B,
+                         int H, int N, int D, int W, int n_pad, int L, int shift, void* dst, cudaStream_t stream);
 // out = (num + mu l + o / stat) / (l + 1 / stat) from y = [num, l] (fp32, D + 16 wide; the moments of the
 // values less mu (B, H, D)) and the diagonal blocks' o and stat (null when there are none);
 // inv_l = 1 / (l + 1 / stat) for every chunk row. out is (B,H,n,D) over (B,n,H,D) memory, the tiled

@@ -77,15 +77,14 @@ __global__ void __launch_bounds__(kThreads) rope_merge_kernel(RopeParams p) {
   const int half = p.D / 2;
   T* y = static_cast<T*>(p.qkv) + at.b * p.qkv_sb + at.t * p.qkv_st + int64_t{at.head} * p.D + at.pair0;
   if (at.head >= p.H + p.Hkv) {  // a value head: not rotated
-    const T* x = static_cast<const T*>(p.v) + at.b * p.v_sb + (at.head - p.H - p.Hkv) * p.v_sh + at.t * p.v_st +
-                 at.pair0;
+    const T* x = static_cast<const T*>(p.v) + p.vs.offset(at.b, at.head - p.H - p.Hkv) + at.t * p.vs.i + at.pair0;
     *reinterpret_cast<Pack<T>*>(y) = *reinterpret_cast<const Pack<T>*>(x);
     *reinterpret_cast<Pack<T>*>(y + half) = *reinterpret_cast<const Pack<T>*>(x + half);
     return;
   }
   const T* x = at.head < p.H
-                   ? static_cast<const T*>(p.q) + at.b * p.q_sb + at.head * p.q_sh + at.t * p.q_st
-                   : static_cast<const T*>(p.k) + at.b * p.k_sb + (at.head - p.H) * p.k_sh + at.t * p.k_st;
+                   ? static_cast<const T*>(p.q) + p.qs.offset(at.b, at.head) + at.t * p.qs.i
+                   : static_cast<const T*>(p.k) + p.ks.offset(at.b, at.head - p.H) + at.t * p.ks.i;
   const int64_t table = at.t * half + at.pair0;
   rotate(x + at.pair0, y, half, p.cos + table, p.sin + table, -1.f);
 }

@@ -16,10 +16,10 @@ struct RopeParams {
   const float* sin;
   void* qkv;            // (B, T, (H + 2 Hkv) D), the head dim contiguous: read by split, written by merge
   int64_t qkv_sb, qkv_st;
-  void* q;              // (B, H, T, D) (split: written, contiguous; merge: read, strides below)
+  void* q;              // (B, H, T, D) (split: written, contiguous; merge: read, with strides qs)
   void* k;              // (B, Hkv, T, D)
   const void* v;        // merge only: (B, Hkv, T, D)
-  int64_t q_sb, q_sh, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st;
+  RowStrides qs, ks, vs;
 };
 
 // q, k = rotate(qkv's query and key heads), in the layout the attention kernels read.
