@@ -66,11 +66,11 @@ __device__ __forceinline__ bool bwd_edge(const Params& p, int n0, int m0, int ro
 // in the m16n8 accumulator layout: on return sc holds P^T and dp holds dS~^T. vec: the queries' vectors
 // (Params, StepVecs); edge: bwd_edge of the step; key0 = this thread's first key (g of the warp's 16).
 // after_tile(nq) runs once each column tile's weights are done (the Hopper backward spreads its dQ
-// atomics there).
+// atomics there). kExtras false compiles out the bias, its gradient and the mask (has_extras).
 struct NoHook {
   __device__ void operator()(int) const {}
 };
-template <class T, int kBr, class Policy, class Hook = NoHook>
+template <class T, int kBr, class Policy, class Hook = NoHook, bool kExtras = true>
 __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, float (&sc)[kBr / 8][4],
                                            float (&dp)[kBr / 8][4], const StepVecs& vec, const KeyRows& keys,
                                            bool edge, int b, int h, int m0, int key0, const uint8_t* mask,
@@ -95,7 +95,7 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
       for (int e = 0; e < 4; ++e) f(nq, e);
   };
   auto query_of = [&](int nq, int e) { return m0 + nq * 8 + 2 * tq + (e & 1); };
-  const T* bias = p.bias ? static_cast<const T*>(p.bias) + b * p.bias_sb + h * p.bias_sh : nullptr;
+  const T* bias = kExtras && p.bias ? static_cast<const T*>(p.bias) + b * p.bias_sb + h * p.bias_sh : nullptr;
   constexpr bool kOffset = Policy::kBwdOffset;
   const float fused_offset = kOffset && !edge && !bias ? Policy::bwd_offset(p.score) : 0.f;
   each_score([&](int nq, int e) {
@@ -155,7 +155,7 @@ __device__ __forceinline__ void bwd_scores(const Params& p, const Policy& pol, f
       if (hidden >> (4 * nq + e) & 1) sc[nq][e] = 0.f, dp[nq][e] = 0.f;
     });
   }
-  if (p.dbias) {
+  if (kExtras && p.dbias) {
     T* dbias = static_cast<T*>(p.dbias) + static_cast<int64_t>(b * p.H + h) * p.I * p.J;
     each_score([&](int nq, int e) {
       const int t = query_of(nq, e), s = key0 + 8 * (e >> 1);

@@ -76,7 +76,7 @@ __device__ __forceinline__ void sm90_bwd_sdp(float (&sc)[kNQ][4], float (&dp)[kN
 constexpr int kPartRows = 32;
 // Part `part` of the step's queries m0..: P^T and dS~^T in place of S^T and dP^T (bwd_scores, with the
 // stage's vectors at vec, StepVecs), then as the A operands of dV's and dK's products.
-template <class T, int kBr, class Policy>
+template <class T, int kBr, bool kExtras, class Policy>
 __device__ __forceinline__ void sm90_bwd_weights(const Params& p, const Policy& pol, int part,
                                                  float (&sc)[kBr / 8][4], float (&dp)[kBr / 8][4],
                                                  uint32_t (&pa)[kBr / 16][Mma<T>::kA],
@@ -84,9 +84,10 @@ __device__ __forceinline__ void sm90_bwd_weights(const Params& p, const Policy& 
                                                  const KeyRows& keys, bool edge, int b, int h, int m0, int key0,
                                                  const uint8_t* mask) {
   constexpr int kTiles = kPartRows / 8;  // column tiles per part
-  bwd_scores<T, kPartRows>(p, pol, *reinterpret_cast<float(*)[kTiles][4]>(sc[part * kTiles]),
-                           *reinterpret_cast<float(*)[kTiles][4]>(dp[part * kTiles]),
-                           StepVecs(vec + part * kPartRows, kBr), keys, edge, b, h, m0 + part * kPartRows, key0, mask);
+  bwd_scores<T, kPartRows, Policy, NoHook, kExtras>(
+      p, pol, *reinterpret_cast<float(*)[kTiles][4]>(sc[part * kTiles]),
+      *reinterpret_cast<float(*)[kTiles][4]>(dp[part * kTiles]), StepVecs(vec + part * kPartRows, kBr), keys, edge,
+      b, h, m0 + part * kPartRows, key0, mask);
 #pragma unroll
   for (int kq = part * kTiles / 2; kq < (part + 1) * kTiles / 2; ++kq) {
     Mma<T>::c_to_a(pa[kq], sc[2 * kq], sc[2 * kq + 1]);
@@ -117,7 +118,7 @@ struct Sm90BwdArgs {
   Params p;
 };
 
-template <class T, int D, class Policy>
+template <class T, int D, class Policy, bool kExtras>
 __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
     bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -136,7 +137,7 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
 
   const BwdWalk<T, D, kBc, kBr, kThreads> walk(p);
   const int bhk = walk.bhk, n0 = walk.n0, b = walk.b, hk = walk.hk, steps = walk.steps;
-  const uint8_t* mask = walk.mask();
+  const uint8_t* mask = kExtras ? walk.mask() : nullptr;
   const int warp = warp_index(), g = threadIdx.x % 32 / 4;
   const int wg = warp / 4, wkey = warp * 16;  // warpgroup wg: keys 64 wg ..; this warp: 16 of them
   using Pos = typename BwdWalk<T, D, kBc, kBr, kThreads>::Pos;
@@ -243,8 +244,8 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
     const bool edge = bwd_edge<kBc>(p, n0, m0, kBr, mask);
 #pragma unroll
     for (int hq = 0; hq < 2; ++hq) {
-      sm90_bwd_weights<T, kBr>(p, pol, hq, sc, dp, pa, da, s_vec + stage * kBwdVecs * kBr, keys, edge, b, h, m0,
-                               n0 + wkey + g, mask);
+      sm90_bwd_weights<T, kBr, kExtras>(p, pol, hq, sc, dp, pa, da, s_vec + stage * kBwdVecs * kBr, keys, edge, b,
+                                        h, m0, n0 + wkey + g, mask);
       if (hq == 1) {  // dQ ahead of the second half's dV and dK
         // dQ over this warpgroup's own keys first, behind a barrier of its own: warpgroup 0, a turn
         // ahead, has them in the tensor pipe while it waits for warpgroup 1's dS~^T (bench/notes/run-29.md).
@@ -284,13 +285,16 @@ __global__ void __launch_bounds__(Sm90Bwd<T, D>::kWarps * 32, 1)
 }
 
 // The launch of both Hopper backwards: one CTA per (key tile of `cols` keys, batch, kv head) of
-// kernel_of(policy) for the score's policy, then dQ's epilogue over the tiled buffer.
+// kernel_of(policy, extras) for the score's policy and has_extras, then dQ's epilogue over the tiled
+// buffer.
 template <class T, int D, class Args, class KernelOf>
 cudaError_t launch_sm90_bwd(const Params& p, Score score, const Args& args, int cols, int threads, int bytes,
                             KernelOf kernel_of, cudaStream_t stream) {
   const int64_t blocks = static_cast<int64_t>(cdiv(p.J, cols)) * p.B * p.Hkv;
+  const bool extras = has_extras(p);
   return with_policy(score, [&](auto policy) {
-    const cudaError_t err = launch(kernel_of(policy), blocks, threads, bytes, args, stream);
+    const auto kernel = extras ? kernel_of(policy, std::true_type{}) : kernel_of(policy, std::false_type{});
+    const cudaError_t err = launch(kernel, blocks, threads, bytes, args, stream);
     return err != cudaSuccess ? err : run_dq_finalize(dtype_of<T>(), p, D, true, stream);
   });
 }
@@ -304,8 +308,8 @@ cudaError_t Sm90Bwd<T, D>::run(const Params& p, Score score, cudaStream_t stream
   if (!operand_map<T, D>(&args.q, p, Operand::kQ, C::kRows) ||
       !operand_map<T, D>(&args.dout, p, Operand::kDout, C::kRows))
     return run_bwd<T, D>(p, score, stream);
-  return launch_sm90_bwd<T, D>(p, score, args, C::kCols, C::kWarps * 32, C::kBytes, [](auto policy) {
-    return &bwd_sm90_kernel<T, D, typename decltype(policy)::type>;
+  return launch_sm90_bwd<T, D>(p, score, args, C::kCols, C::kWarps * 32, C::kBytes, [](auto policy, auto extras) {
+    return &bwd_sm90_kernel<T, D, typename decltype(policy)::type, decltype(extras)::value>;
   }, stream);
 }
 

@@ -50,7 +50,7 @@ struct Sm90BwdWsArgs {  // the TMA descriptors must live in parameter (or consta
   Params p;
 };
 
-template <class T, int D, class Policy>
+template <class T, int D, class Policy, bool kExtras>
 __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
     bwd_ws_sm90_kernel(const __grid_constant__ Sm90BwdWsArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
   setmaxnreg_inc<C::kConsumerRegs>();
 
   const int g = threadIdx.x % 32 / 4, wkey = warp * 16;  // warpgroup wg: keys 64 wg ..; this warp: 16 of them
-  const uint8_t* mask = walk.mask();
+  const uint8_t* mask = kExtras ? walk.mask() : nullptr;
   const KeyRows keys(p, b, hk, mask, n0 + wkey + g);
   const float* s_vec = reinterpret_cast<const float*>(smem_raw + (s0 - raw) + C::kVec);
   const Policy pol(p.score);
@@ -147,8 +147,8 @@ __global__ void __launch_bounds__(Sm90BwdWs<T, D>::kThreads, 1)
     const bool edge = bwd_edge<kBc>(p, n0, m0, kBr, mask);
 #pragma unroll
     for (int part = 0; part < kBr / kPartRows; ++part) {
-      sm90_bwd_weights<T, kBr>(p, pol, part, sc, dp, pa, da, s_vec + st * kBwdVecs * kBr, keys, edge, b, h, m0,
-                               n0 + wkey + g, mask);
+      sm90_bwd_weights<T, kBr, kExtras>(p, pol, part, sc, dp, pa, da, s_vec + st * kBwdVecs * kBr, keys, edge, b, h,
+                                        m0, n0 + wkey + g, mask);
       sm90_bwd_dvdk<T>(dv, dk, pa, da, q_tile(st), do_tile(st), part);
     }
     // dS~^T into the step's buffer, then, with the other half in, dQ of this warpgroup's 64 queries.
@@ -190,8 +190,8 @@ cudaError_t Sm90BwdWs<T, D>::run(const Params& p, Score score, cudaStream_t stre
       !operand_map<T, D>(&args.dout, p, Operand::kDout, C::kRows) ||
       !operand_map<T, D>(&args.k, p, Operand::kK, C::kCols) || !operand_map<T, D>(&args.v, p, Operand::kV, C::kCols))
     return run_bwd<T, D>(p, score, stream);
-  return launch_sm90_bwd<T, D>(p, score, args, C::kCols, C::kThreads, C::kBytes, [](auto policy) {
-    return &bwd_ws_sm90_kernel<T, D, typename decltype(policy)::type>;
+  return launch_sm90_bwd<T, D>(p, score, args, C::kCols, C::kThreads, C::kBytes, [](auto policy, auto extras) {
+    return &bwd_ws_sm90_kernel<T, D, typename decltype(policy)::type, decltype(extras)::value>;
   }, stream);
 }
 

@@ -64,6 +64,11 @@ struct Params {
   void* dbias;        // (B,H,I,J) contiguous, zero on entry; null when no gradient is wanted
 };
 
+// Whether a call has the inputs a model's training never passes: a key mask, a bias or its gradient.
+// The Hopper backwards have an instantiation without them (kExtras false), whose steps test none of
+// them (bench/notes/run-45.md).
+inline bool has_extras(const Params& p) { return p.mask || p.bias || p.dbias; }
+
 // The Hopper backwards' dQ sums come in tiles of kDqTileRows (64) query rows x D, each laid out as the m64
 // accumulator's registers hold them ([column tile of 8][thread][4]; at d128 warpgroup wg holds the D / 16
 // column tiles from wg D / 16), so that a thread's four values of a column tile are one 16-byte slot: a
