@@ -47,10 +47,10 @@ FASTMAX_COEFFS = (1.0, 1.0, 0.5)  # p=2: 1 + x + x^2/2, the same Taylor polynomi
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
                  "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
 FAMILY_IMPLS = {
-    "cosine": ("ours", "ours-torch", "naive", "cupy-naive", *SDPA_BACKENDS),
-    "exp": ("ours", "ours-torch", "naive", *SDPA_BACKENDS),
+    "cosine": ("ours", "ours-torch", "naive", "cupy-naive", *SDPA_BACKENDS, "fa3"),
+    "exp": ("ours", "ours-torch", "naive", *SDPA_BACKENDS, "fa3"),
     "fastmax": ("ours-quadratic", "ours-linear", "ours-torch", "naive", "fla-parallel", "fla-chunk",
-                *SDPA_BACKENDS),
+                *SDPA_BACKENDS, "fa3"),
 }
 DEFAULT_IMPLS = {
     "cosine": ("ours", "naive", "cupy-naive", "flash", "cudnn", "efficient"),
@@ -191,6 +191,30 @@ def build_sdpa(case, keep, backend):
     return sdpa
 
 
+def build_fa3(case, keep):
+    """FlashAttention-3 (`flash_attn_interface`, built from its hopper/ directory; not on PyPI): softmax on
+    l2-normalised q/k with scale 10 == cosine-sim, as for SDPA. It takes (b, n, h, d), so it is given
+    transposed views of our (b, h, n, d) inputs, whose strides its TMA loads take as they are."""
+    if case.device != "cuda":
+        raise NotRun("FlashAttention-3 runs on CUDA devices only")
+    if keep is not None:
+        raise NotRun("FlashAttention-3 takes no key-padding mask")
+    try:
+        from flash_attn_interface import flash_attn_func
+    except Exception as e:
+        raise NotRun(f"flash_attn_interface does not import ({type(e).__name__}: {e})") from None
+    cosine = case.family == "cosine"
+
+    def fa3(q, k, v):
+        if cosine:  # inside the timed region, as for SDPA
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                              softmax_scale=COSINE_SCALE if cosine else None, causal=case.causal)
+        return out.transpose(1, 2)
+
+    return fa3
+
+
 def build_cupy_naive(case, keep):
     """The naive cosine formula in CuPy (forward only). exp(scale·(q̂·k̂ - 1)) <= 1, so no row max."""
     if case.pass_ != "fwd":
@@ -270,6 +294,7 @@ BUILDERS = {
     "cupy-naive": build_cupy_naive,
     "fla-parallel": partial(build_fla, chunked=False),
     "fla-chunk": partial(build_fla, chunked=True),
+    "fa3": build_fa3,
     **{name: partial(build_sdpa, backend=name) for name in SDPA_BACKENDS},
 }
 
@@ -476,7 +501,7 @@ def environment(device, argv):
     env = dict(command=shlex.join(["python", "benchmark.py", *argv]), date=time.strftime("%Y-%m-%d %H:%M:%S"),
                git=git, python=platform.python_version(), torch=torch.__version__,
                cuda=torch.version.cuda, device=device, triton=version("triton"),
-               fla=version("flash-linear-attention"))
+               fla=version("flash-linear-attention"), fa3=version("flash_attn_3"))
     if device == "cuda":
         env.update(gpu=torch.cuda.get_device_name(), cudnn=torch.backends.cudnn.version(),
                    matmul_tf32=torch.backends.cuda.matmul.allow_tf32)

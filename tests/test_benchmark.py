@@ -2,6 +2,8 @@
 computes the function it claims to (a fast wrong baseline would make every ratio a lie)."""
 import json
 import math
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,6 +80,23 @@ def test_other_families_run_forward_only(family, capsys):
     if family == "fastmax":  # fla's kernels are Triton on CUDA: on the CPU they are reported, not timed
         assert by_impl["fla-parallel"]["ms"] is None and by_impl["fla-parallel"]["not_run"]
         assert "not run: fla" in capsys.readouterr().out
+
+
+def test_fa3_is_reported_not_timed_off_cuda(capsys):
+    rows = benchmark.main([*TINY, "--seq-lens", "16", "--only-forwards", "--impls", "naive,fa3"])
+    fa3 = next(r for r in rows if r["impl"] == "fa3")
+    assert fa3["ms"] is None and "CUDA" in fa3["not_run"]
+    assert "not run: FlashAttention-3" in capsys.readouterr().out
+
+
+def test_fa3_build_script_names_what_it_lacks(tmp_path):
+    script = Path(benchmark.__file__).parent / "bench" / "fa3_build.sh"
+    usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    assert usage.returncode == 2 and "usage: bash bench/fa3_build.sh" in usage.stderr
+    missing = subprocess.run(["bash", str(script), str(tmp_path), str(tmp_path), str(tmp_path / "out")],
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "FLASH_ATTENTION_DIR: no hopper/ directory" in missing.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_only_backwards_times_the_backward_alone():
