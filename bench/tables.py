@@ -177,6 +177,33 @@ def cosine_vs_cudnn_h100(src: Sources, link: Link) -> list[str]:
     return cosine_vs_cudnn(src, link, COSINE_SHAPES_H100)
 
 
+# FlashAttention-3 on one H100 (bench/fa3_build.sh), with our kernels and cuDNN in the same run: the seeds
+# shapes and the training shape's long causal lengths. (label, file, batch, heads, head dim, lengths, causal).
+FA3_SHAPES = [("b4 h8 d64", "bench/runs/2026-11-27_s46_seeds-fa3-h100.json", 4, 8, 64, (4096, 8192, 16384),
+               (False, True)),
+              ("b1 h8 d64", "bench/runs/2026-11-27_s46_long-causal-fa3-h100.json", 1, 8, 64, (32768, 65536, 131072),
+               (True,))]
+
+
+def cosine_vs_fa3(src: Sources, link: Link) -> list[str]:
+    rows = []
+    for label, rel, b, h, d, lengths, causals in FA3_SHAPES:
+        bench = src.bench(rel)
+        for n in lengths:
+            case = dict(batch=b, heads=h, dim_head=d, seq_len=n, family="cosine", dtype="bf16", mask_prob=None,
+                        kv_heads=h)
+            for c in causals:
+                cells = [" / ".join(f(bench.ms(impl=i, causal=c, **{"pass": p}, **case), 2)
+                                    for i in ("ours", "fa3", "cudnn"))
+                         for p in ("fwd", "bwd", "fwd+bwd")]
+                rows.append([label, thousands(n), "yes" if c else "no", *cells])
+    return [*table(["shape", "N", "causal", "forward ms: ours / FA3 / cuDNN", "backward ms", "forward+backward ms"],
+                   rows, right={1}),
+            "",
+            "FlashAttention-3 and cuDNN on normalised q/k (F.normalize timed with them), ours on raw q/k, in one run "
+            "on one H100. " + _sources_line(src, link, [shape[1] for shape in FA3_SHAPES])]
+
+
 def cosine_headline(src: Sources, link: Link) -> list[str]:
     """The README's compact form of cosine-vs-cudnn: a row per length, a column pair per head dim."""
     ratios = {}
@@ -513,6 +540,7 @@ TABLES: dict[str, Callable[[Sources, Link], list[str]]] = {
     "cosine-vs-cudnn": cosine_vs_cudnn,
     "cosine-vs-cudnn-h100": cosine_vs_cudnn_h100,
     "cosine-vs-flash": cosine_vs_flash,
+    "cosine-vs-fa3": cosine_vs_fa3,
     "cosine-passes": cosine_passes,
     "cosine-fp32": cosine_fp32,
     "fastmax-causal": fastmax_causal,
