@@ -142,12 +142,22 @@ COSINE_SHAPES_H100 = [("b4 h8 d64", "bench/runs/2026-11-27_s45_results_seeds-h10
                        (4096, 8192, 16384))]
 
 
+def _cosine_case(b: int, h: int, d: int, n: int) -> dict:
+    """The fields that pick a bf16 cosine case out of a benchmark file."""
+    return dict(batch=b, heads=h, dim_head=d, seq_len=n, family="cosine", dtype="bf16", mask_prob=None, kv_heads=h)
+
+
 def _cosine_cases(src: Sources, shapes=COSINE_SHAPES):
     for label, rel, b, h, d, lengths in shapes:
         bench = src.bench(rel)
         for n in lengths:
-            yield label, n, bench, dict(batch=b, heads=h, dim_head=d, seq_len=n, family="cosine", dtype="bf16",
-                                        mask_prob=None, kv_heads=h)
+            yield label, n, bench, _cosine_case(b, h, d, n)
+
+
+def _pass_times(bench: Bench, case: dict, causal: bool, impls: tuple[str, ...]) -> list[str]:
+    """A cell per pass (forward, backward, both): the impls' ms, " / "-joined."""
+    return [" / ".join(f(bench.ms(impl=i, causal=causal, **{"pass": p}, **case), 2) for i in impls)
+            for p in ("fwd", "bwd", "fwd+bwd")]
 
 
 def _sources_line(src: Sources, link: Link, rels: list[str]) -> str:
@@ -190,13 +200,9 @@ def cosine_vs_fa3(src: Sources, link: Link) -> list[str]:
     for label, rel, b, h, d, lengths, causals in FA3_SHAPES:
         bench = src.bench(rel)
         for n in lengths:
-            case = dict(batch=b, heads=h, dim_head=d, seq_len=n, family="cosine", dtype="bf16", mask_prob=None,
-                        kv_heads=h)
-            for c in causals:
-                cells = [" / ".join(f(bench.ms(impl=i, causal=c, **{"pass": p}, **case), 2)
-                                    for i in ("ours", "fa3", "cudnn"))
-                         for p in ("fwd", "bwd", "fwd+bwd")]
-                rows.append([label, thousands(n), "yes" if c else "no", *cells])
+            case = _cosine_case(b, h, d, n)
+            rows += [[label, thousands(n), "yes" if c else "no", *_pass_times(bench, case, c, ("ours", "fa3", "cudnn"))]
+                     for c in causals]
     return [*table(["shape", "N", "causal", "forward ms: ours / FA3 / cuDNN", "backward ms", "forward+backward ms"],
                    rows, right={1}),
             "",
@@ -232,11 +238,8 @@ def cosine_vs_flash(src: Sources, link: Link) -> list[str]:
 def cosine_passes(src: Sources, link: Link) -> list[str]:
     rows = []
     for label, n, bench, case in _cosine_cases(src):
-        for c in (False, True):
-            cells = [" / ".join(f(bench.ms(impl=i, causal=c, **{"pass": p}, **case), 2)
-                                for i in ("ours", "cudnn", "flash"))
-                     for p in ("fwd", "bwd", "fwd+bwd")]
-            rows.append([label, thousands(n), "yes" if c else "no", *cells])
+        rows += [[label, thousands(n), "yes" if c else "no", *_pass_times(bench, case, c, ("ours", "cudnn", "flash"))]
+                 for c in (False, True)]
     return [*table(["shape", "N", "causal", "forward ms: ours / cuDNN / FA2", "backward ms", "forward+backward ms"],
                    rows, right={1}),
             "",
