@@ -1,5 +1,6 @@
 """bench/ab_trees.py on the CPU: its case syntax, its argument errors, and that a tree without built kernels
 is refused (not JIT-compiled) in the worker and reported with the tree's name by the parent."""
+import argparse
 import importlib.util
 import subprocess
 import sys
@@ -25,7 +26,7 @@ def test_case_syntax():
     assert ab.parse_case("fastmax:2:4:1024:128:causal") == dict(family="fastmax", b=2, h=4, n=1024, d=128, causal=True)
     assert ab.case_name(ab.parse_case("cosine:4:8:16384:64:full")) == "cos b4 h8 d64 n16384 full"
     for bad in ("softmax:1:1:64:64:full", "cosine:1:1:64:64", "cosine:1:x:64:64:full", "cosine:1:1:64:64:both"):
-        with pytest.raises(Exception, match="expected family:batch:heads:seq_len:dim_head|must be integers"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected family:batch:heads:seq_len:dim_head|must be integers"):
             ab.parse_case(bad)
 
 
