@@ -5,6 +5,8 @@ Layering (as FlashAttention does it): csrc kernels -> torch ops (_extension.py) 
 """
 from __future__ import annotations
 
+import inspect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -98,20 +100,6 @@ def _canonicalize(q, k, v, mask=None, bias=None) -> _Call:
     return _Call(q, k, v, mask, bias, merged)
 
 
-POLICIES = {"cosine": cosine_policy, "exp": exp_policy, "fastmax": poly_policy}
-
-
-def plan(family: str, *, device, dtype: torch.dtype, head_dim: int, keys: int, backend: str = "auto",
-         form: str = "quadratic", dropout: float = 0.0, tuning: Tuning | None = None, **options) -> Plan:
-    """The plan a call of the family's function ("cosine", "exp", "fastmax") would run, from the inputs'
-    device, dtype, head dim and key count, with its score options given by name (cosine: scale, l2norm_qk;
-    exp: scale; fastmax: p, a0, a1, a2, temperature, normalize, lim): for FLOP counts, logs and probes."""
-    if family not in POLICIES:
-        raise ValueError(f"family: expected one of {tuple(POLICIES)}, got {family!r}")
-    return resolve(device=torch.device(device), dtype=dtype, head_dim=head_dim, keys=keys,
-                   policy=POLICIES[family](**options), backend=backend, form=form, dropout=dropout, tuning=tuning)
-
-
 def _plan(call: _Call, causal: bool, policy: ScorePolicy, backend: str, form: str = "quadratic",
           dropout: float = 0.0, tuning: Tuning | None = None) -> Plan:
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v))
@@ -159,13 +147,41 @@ def cosine_sim_attention(q, k, v, *, causal=False, mask=None, attn_bias=None, sc
 def exp_attention(q, k, v, *, scale=8.0, causal=False, mask=None, backend="auto"):
     """sum_s exp(scale * q.k_s) v_s with no normalisation (the seeds' "custom attention").
 
-    Nothing bounds the logits: exp overflows (inf) once scale * q.k exceeds ~88 in fp32, ~11 in fp16.
-    A ``scale`` at which even q.k = 1 overflows the weights' dtype (q's on the reference, fp32 on
-    the kernels) raises ValueError.
+    Nothing bounds the logits: exp overflows once scale * q.k exceeds ~88 in fp32, ~11 in fp16, in the
+    weights' dtype (q's on the reference, fp32 on the kernels). A ``scale`` at which even q.k = 1
+    overflows it raises ValueError before any work; so does, after the call, an output that overflowed
+    on finite q, k and v (at the default scale, randn rows of head dim 16 already do). q, k or v that
+    hold inf or NaN give NaN in the rows that read them, as in the other families. Under torch.compile
+    the output is not checked.
     """
     call = _canonicalize(q, k, v, mask)
     policy = exp_policy(scale)
-    return _run(_plan(call, causal, policy, backend), call, causal, policy)
+    plan = _plan(call, causal, policy, backend)
+    out = _run(plan, call, causal, policy)
+    # The check reads the output back to the host, a sync that would break a torch.compile graph.
+    if not torch.compiler.is_compiling():
+        _refuse_overflow(out, call, policy, plan.score_dtype)
+    return out
+
+
+def _refuse_overflow(out: torch.Tensor, call: _Call, policy: ScorePolicy, score_dtype: torch.dtype) -> None:
+    """Raise ValueError if exp's output holds inf or NaN while q, k and v are finite: its weights overflowed.
+
+    Unlike the other families' (ScorePolicy.check_range), exp's largest logit depends on the data, so the
+    overflow can only be seen after the call. The common case costs one reduction over the output and a
+    read of its result (a sync on CUDA); the inputs are read only when it fails. Inputs holding inf or NaN
+    anywhere, masked keys included, skip the check: their NaN cannot be told from an overflow.
+    """
+    if torch.isfinite(out).all():
+        return
+    if not all(torch.isfinite(t).all() for t in (call.q, call.k, call.v)):
+        return  # garbage in: the rows that read it are NaN, as documented
+    bad = int((~torch.isfinite(out)).sum())
+    limit = torch.finfo(score_dtype).max
+    raise ValueError(f"scale: {policy.scale:g} overflows {score_dtype} on these inputs: {bad} of {out.numel()} "
+                     f"outputs are not finite, as exp(scale * q.k) passes the dtype's max {limit:g} once the "
+                     f"logit exceeds {math.log(limit):.1f}; pass a smaller scale, or l2-normalise q and k, "
+                     f"which bounds every logit by |scale|")
 
 
 def fastmax_attention(q, k, v, *, causal=False, mask=None, p=2, a0=1.0, a1=1.0, a2=0.5,
@@ -189,6 +205,32 @@ def fastmax_attention(q, k, v, *, causal=False, mask=None, p=2, a0=1.0, a1=1.0, 
     policy = poly_policy(p, a0, a1, a2, temperature, normalize, lim)
     plan = _plan(call, causal, policy, backend, form, dropout, tuning)
     return _run(plan, call, causal, policy, dropout)
+
+
+# Each family's public function and its policy constructor, whose parameters are the family's score options.
+FAMILIES = {"cosine": (cosine_sim_attention, cosine_policy), "exp": (exp_attention, exp_policy),
+            "fastmax": (fastmax_attention, poly_policy)}
+
+
+def plan(family: str, *, device, dtype: torch.dtype, head_dim: int, keys: int, backend: str = "auto",
+         form: str = "quadratic", dropout: float = 0.0, tuning: Tuning | None = None, **options) -> Plan:
+    """The plan a call of the family's function ("cosine", "exp", "fastmax") would run, from the inputs'
+    device, dtype, head dim and key count, with its score options given by name (cosine: scale, l2norm_qk;
+    exp: scale; fastmax: p, a0, a1, a2, temperature, normalize, lim), each defaulting as in the function:
+    for FLOP counts, logs and probes. An option the family does not have raises ValueError."""
+    if family not in FAMILIES:
+        raise ValueError(f"family: expected one of {tuple(FAMILIES)}, got {family!r}")
+    function, make_policy = FAMILIES[family]
+    names = tuple(inspect.signature(make_policy).parameters)
+    unknown = [name for name in options if name not in names]
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: not a score option of {family!r}; its options are "
+                         f"{', '.join(names)}")
+    # The defaults are read from the function's signature, so that they are written once.
+    defaults = inspect.signature(function).parameters
+    policy = make_policy(**{name: options.get(name, defaults[name].default) for name in names})
+    return resolve(device=torch.device(device), dtype=dtype, head_dim=head_dim, keys=keys, policy=policy,
+                   backend=backend, form=form, dropout=dropout, tuning=tuning)
 
 
 def rotary_qkv(qkv, cos, sin, *, heads: int, kv_heads: int, backend="auto"):

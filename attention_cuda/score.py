@@ -7,6 +7,7 @@ kernels share this description, so a family is a policy, not a copy of the atten
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -84,12 +85,28 @@ class ScorePolicy:
 NORM_EPS = 1e-12  # same clamp as torch.nn.functional.normalize, so a zero row maps to zero, not NaN
 
 
+def real(name: str, value) -> float:
+    """``value`` as a float, or a ValueError naming the parameter. A bool is a real number to Python but a
+    mistake here, and a string must not reach float(), whose error names no parameter."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite real number, got {value!r}")
+    return float(value)
+
+
+def flag(name: str, value) -> bool:
+    """``value`` if it is a bool, else a ValueError naming the parameter: any object is truthy or not, so a
+    string such as "no" would silently mean True."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected True or False, got {value!r}")
+    return value
+
+
 def cosine_policy(scale: float, l2norm_qk: bool) -> ScorePolicy:
-    return ScorePolicy("cosine", float(scale), 1.0 if l2norm_qk else None)
+    return ScorePolicy("cosine", real("scale", scale), 1.0 if flag("l2norm_qk", l2norm_qk) else None)
 
 
 def exp_policy(scale: float) -> ScorePolicy:
-    return ScorePolicy("exp", float(scale), normalize_rows=False)
+    return ScorePolicy("exp", real("scale", scale), normalize_rows=False)
 
 
 def poly_policy(p: int, a0: float, a1: float, a2: float, temperature: float,
@@ -105,13 +122,14 @@ def check_poly_coefficients(p, a0, a1, a2, temperature, normalize, lim):
     Negative weights make ``l`` cross zero and the output blow up; we refuse them up front rather
     than return garbage. With ``normalize`` the logits are bounded by ``lim**2 / temperature``.
     """
-    if p not in (1, 2):
+    if isinstance(p, bool) or p not in (1, 2):  # True == 1, but a bool here is a mistake
         raise ValueError(f"p: expected 1 or 2, got {p!r}")
-    for name, val in (("a0", a0), ("a1", a1), ("a2", a2), ("temperature", temperature), ("lim", lim)):
-        if not isinstance(val, (int, float)) or not math.isfinite(val):
-            raise ValueError(f"{name}: expected a finite number, got {val!r}")
-    if temperature <= 0:
-        raise ValueError(f"temperature: expected > 0, got {temperature}")
+    a0, a1, a2, temperature, lim = (real(name, val) for name, val in (
+        ("a0", a0), ("a1", a1), ("a2", a2), ("temperature", temperature), ("lim", lim)))
+    flag("normalize", normalize)
+    # 1 / temperature is the policy's scale: a subnormal temperature would make it inf.
+    if not temperature > 0 or math.isinf(1 / temperature):
+        raise ValueError(f"temperature: expected > 0 with a finite 1/temperature, got {temperature}")
     if normalize and lim <= 0:
         raise ValueError(f"lim: expected > 0 with normalize=True, got {lim}")
     c2 = a2 if p == 2 else 0.0
