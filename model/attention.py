@@ -5,6 +5,9 @@ functional API (attention_cuda), on its CUDA kernels with ``use_cuda_kernel`` an
 reference otherwise. RoPE rotates q and k *before* the attention sees them, so cosine's l2-norm and
 fastmax's optional ``normalize`` act on the rotated vectors (a rotation keeps norms, so they commute
 with it anyway, and position enters only through q.k as it does for softmax).
+
+With ``swa_window`` (Based's hybrid) the blocks of odd index run exact causal softmax over the last
+swa_window positions instead (sliding_window_attention, on SDPA), rotated by RoPE like the rest.
 """
 from __future__ import annotations
 
@@ -52,10 +55,58 @@ def sdpa_attention(q, k, v, *, backend: str, causal: bool = True, scale: float |
                                               enable_gqa=q.shape[1] != k.shape[1])
 
 
-def attention_fn(cfg, causal: bool = True, unit_rows: bool = False):
+def layer_window(cfg, layer: int) -> int:
+    """The sliding window of block ``layer``'s attention: swa_window for the odd blocks (Based's hybrid), else
+    0, the family's attention over the whole context."""
+    return cfg.swa_window if layer % 2 else 0
+
+
+def sliding_window_attention(q, k, v, *, window: int, scale: float | None = None):
+    """Causal softmax attention over the last ``window`` positions, exactly: q (B, H, T, D), k/v (B, Hkv, T, D)
+    -> (B, H, T, D), query t weighing key s iff t - window < s <= t; scale None = 1/sqrt(D), softmax's.
+
+    In O(T·window) memory, on SDPA: the queries are cut into blocks of w = window, and each block attends to
+    its own keys and the previous block's (2w keys) under one band mask (key j of the pair for query i iff
+    i < j <= i + w), the blocks folded into the batch (B·(T/w - 1), H, w, 2w), T padded up to a multiple of
+    w (the padded keys lie past every real query, so the band hides them; the padded queries are dropped).
+    The first block has no previous block: it is its own call, plain causal over its keys (T <= w: the only
+    one). Grouped KV heads go to SDPA as they are (enable_gqa; on CUDA the masked call then runs on cuDNN or
+    math, as PyTorch's memory-efficient kernel takes no grouped heads)."""
+    b, h, t, d = q.shape
+    w = window
+    gqa = k.shape[1] != h
+    first = F.scaled_dot_product_attention(q[:, :, :w], k[:, :, :w], v[:, :, :w], is_causal=True, scale=scale,
+                                           enable_gqa=gqa)
+    if t <= w:
+        return first
+    n = -(-t // w) - 1  # the blocks after the first
+    pad = (n + 1) * w - t
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+
+    def pairs(x):  # (B, Hx, (n + 1) w, D) -> (B n, Hx, 2w, D): block i's keys after block i - 1's, i = 1 .. n
+        x = x.reshape(b, x.shape[1], n + 1, w, d)
+        return torch.cat([x[:, :, :-1], x[:, :, 1:]], dim=3).transpose(1, 2).reshape(b * n, -1, 2 * w, d)
+
+    queries = q[:, :, w:].reshape(b, h, n, w, d).transpose(1, 2).reshape(b * n, h, w, d)
+    i, j = torch.arange(w, device=q.device)[:, None], torch.arange(2 * w, device=q.device)
+    band = (j > i) & (j <= i + w)
+    later = F.scaled_dot_product_attention(queries, pairs(k), pairs(v), attn_mask=band, scale=scale, enable_gqa=gqa)
+    later = later.reshape(b, n, h, w, d).transpose(1, 2).reshape(b, h, n * w, d)[:, :, :t - w]
+    return torch.cat([first, later], dim=2)
+
+
+def attention_fn(cfg, causal: bool = True, unit_rows: bool = False, window: int = 0):
     """q (B, H, T, D), k/v (B, Hkv, J, D) -> (B, H, T, D) for the family cfg.attention names: causal over
     T = J (training, a prefill), or every query over every key (a decode step's one query over the cache).
-    unit_rows (cosine): q and k arrive l2-normalised, as cosine's decode cache keeps its keys."""
+    unit_rows (cosine): q and k arrive l2-normalised, as cosine's decode cache keeps its keys. window > 0
+    (layer_window's): softmax over the last window positions whatever the family, on SDPA's own pick of
+    backend (sdpa_backend is the family's; flash takes no mask); not causal, plain softmax over a decode
+    cache's ring of them."""
+    if window:
+        if causal:
+            return functools.partial(sliding_window_attention, window=window)
+        return functools.partial(sdpa_attention, backend="auto", causal=False)
     if cfg.attention == "softmax":
         return functools.partial(sdpa_attention, backend=cfg.sdpa_backend, causal=causal)
     if cfg.cosine_sdpa:
@@ -66,9 +117,11 @@ def attention_fn(cfg, causal: bool = True, unit_rows: bool = False):
 
 
 def kernel_backend(cfg) -> str:
-    """attention_cuda's backend for the model's attention and its RoPE: our kernels with use_cuda_kernel, else
-    the PyTorch reference (softmax and cosine on SDPA rotate with PyTorch ops, as such models do)."""
-    return "cuda" if cfg.use_cuda_kernel else "torch"
+    """attention_cuda's backend for the model's attention and its RoPE: our kernels with use_cuda_kernel, the
+    PyTorch reference without (softmax and cosine on SDPA rotate with PyTorch ops, as such models do), and
+    attention_cuda's own "auto" while use_cuda_kernel is None (a model built outside train.py, which settles it
+    for its device at start-up: lab.steps.resolve_kernel_choice)."""
+    return {True: "cuda", False: "torch", None: "auto"}[cfg.use_cuda_kernel]
 
 
 def attention_plan(cfg, device, dtype: torch.dtype):
@@ -92,6 +145,11 @@ def attention_flops_per_token(cfg, device, dtype: torch.dtype) -> int:
       adds phi(k) [v, 1]^T to the moments and reads phi(q) against them, 2·F·(D+1) FLOPs each with F
       the feature count, so 4·F·(D+1) forward and 12·F·(D+1) for training. Causal does not halve it;
       the small in-chunk band done quadratically is left out.
+    - a sliding-window block (swa_window = w, the odd blocks): softmax over the causal band of the last w
+      keys, T·w - w²/2 (query, key) pairs (the causal count's T²/2 with the first w queries' triangle),
+      so 6·D·w·(2T - w) / T per token, 12·D·w for w << T, and 6·D·T, the quadratic count, at w = T (w is
+      taken as min(w, T)). The blocks of keys that sliding_window_attention computes and masks are not counted,
+      as causal's masked half is not.
     The element-wise score function (exp, the polynomial) is not counted, as the convention goes.
     """
     head_dim = cfg.head_dim
@@ -100,7 +158,10 @@ def attention_flops_per_token(cfg, device, dtype: torch.dtype) -> int:
         per_head = 12 * fastmax_features(head_dim, cfg.fastmax_p) * (head_dim + 1)
     else:
         per_head = 6 * head_dim * cfg.seq_len
-    return cfg.n_layer * cfg.n_head * per_head
+    windowed = sum(1 for layer in range(cfg.n_layer) if layer_window(cfg, layer))
+    w, t = min(cfg.swa_window, cfg.seq_len), cfg.seq_len
+    per_windowed_head = 6 * head_dim * w * (2 * t - w) // t
+    return cfg.n_head * ((cfg.n_layer - windowed) * per_head + windowed * per_windowed_head)
 
 
 class KVCache:
@@ -121,7 +182,11 @@ class KVCache:
         self.k = self.v = self.slots = None
 
     def add(self, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor) -> None:
-        """Store k, v (B, Hkv, t, D) of positions position .. position + t - 1 (position: (1,) on the device)."""
+        """Store k, v (B, Hkv, t, D) of positions position .. position + t - 1 (position: (1,) on the device);
+        of more than capacity positions (a prefill longer than a sliding window's ring), the last capacity."""
+        if k.shape[2] > self.capacity:
+            position = position + (k.shape[2] - self.capacity)
+            k, v = k[:, :, -self.capacity:], v[:, :, -self.capacity:]
         if self.unit_rows:
             k = unit(k)
         if self.k is None:  # zeros, not garbage, behind the mask (kept out of every product either way)
@@ -163,8 +228,11 @@ class MomentsCache:
         return fastmax_read(q, self.state, **self.options)
 
 
-def decode_cache(cfg):
-    """An empty decoding cache for one layer of cfg's attention."""
+def decode_cache(cfg, window: int = 0):
+    """An empty decoding cache for one layer of cfg's attention; window > 0 (layer_window's), a sliding-window
+    layer's: a ring of the last window positions' keys and values, read with plain softmax."""
+    if window:
+        return KVCache(window, attention_fn(cfg, causal=False, window=window))
     if cfg.attention == "fastmax":
         return MomentsCache(score_options(cfg))
     cosine = cfg.attention == "cosine"
@@ -172,9 +240,10 @@ def decode_cache(cfg):
 
 
 class CausalSelfAttention(nn.Module):
-    """Grouped-KV self-attention: n_head query heads share n_kv_head key/value heads."""
+    """Grouped-KV self-attention: n_head query heads share n_kv_head key/value heads. ``layer``: the block's
+    index, which picks sliding-window softmax for the odd blocks with swa_window (layer_window)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer: int = 0):
         super().__init__()
         self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
         self.head_dim = cfg.head_dim
@@ -182,10 +251,12 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, q_dim + 2 * kv_dim, bias=False)
         self.proj = nn.Linear(q_dim, cfg.n_embd, bias=False)
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        # RoPE on the model's backend in every block, a sliding-window one too: one rotation for the whole model.
         self.backend = kernel_backend(cfg)
+        self.window = layer_window(cfg, layer)
         # No dropout on the attention weights: the cosine API has none, and the three families
         # should be regularised alike for a fair comparison.
-        self.attend = attention_fn(cfg)
+        self.attend = attention_fn(cfg, window=self.window)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
                 position: torch.Tensor | None = None, context=None) -> torch.Tensor:

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from attention_cuda import cuda_unavailable_reason
 from attention_cuda._kernels import linear_attention
 from attention_cuda.plan import TUNING, Tuning, chunked_path, kernels_reason, linear_kernels_reason, run_dtype
 from attention_cuda.reference import chunk_rows, expand_kv, key_moment, safe_divide, scale_rows, score_dtype
@@ -463,6 +464,10 @@ def context_zigzag(cfg, size: int) -> bool:
     if cfg.cosine_sdpa:
         raise ValueError("cosine_sdpa: context parallelism computes cosine's blocks on our kernels or the PyTorch "
                          "reference, not on SDPA; leave cosine_sdpa off")
+    if cfg.swa_window:
+        raise ValueError("swa_window: the ring passes whole slices of keys to every rank and implements no "
+                         "sliding window, so the windowed blocks cannot run context-parallel; expected 0, "
+                         f"got {cfg.swa_window}")
     if cfg.short_conv:
         raise ValueError(f"short_conv: a slice's first positions would need the previous rank's last inputs, which "
                          f"context parallelism does not pass; expected 0, got {cfg.short_conv}")
@@ -500,6 +505,8 @@ class ContextParallel:
         if problem is not None:
             raise ValueError(problem)
         backend = kernel_backend(cfg)
+        if backend == "auto":  # use_cuda_kernel None: a model built outside train.py, which settles it at start-up
+            backend = "cuda" if device.type == "cuda" and cuda_unavailable_reason() is None else "torch"
         if cfg.attention == "softmax":
             self.attend = functools.partial(softmax_context_parallel, mesh=softmax_mesh(group, device),
                                             backend=cfg.sdpa_backend)

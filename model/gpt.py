@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention_cuda.score import check_poly_coefficients
-from model.attention import CausalSelfAttention, attention_flops_per_token, decode_cache, rope_tables
+from model.attention import CausalSelfAttention, attention_flops_per_token, decode_cache, layer_window, rope_tables
 from model.context_parallel import ContextParallel
 
 VOCAB_SIZE = 256  # bytes
@@ -51,8 +51,10 @@ class GPTConfig:
     seq_len: int = option(8192, "context length in bytes")
     dropout: float = option(0.0, "dropout on embeddings and residual branches")
     attention: str = option("softmax", "attention family", ATTENTIONS)
-    use_cuda_kernel: bool = option(False, "cosine/fastmax on attention_cuda's CUDA kernels instead of its "
-                                          "PyTorch reference")
+    use_cuda_kernel: bool | None = option(None, "cosine/fastmax on attention_cuda's CUDA kernels (true) or its "
+                                                "PyTorch reference (false); None (auto) = the kernels where the run "
+                                                "is on CUDA and they load (built, or JIT-built on first use), else "
+                                                "the reference, said at start-up")
     cosine_sdpa: bool = option(False, "cosine on PyTorch SDPA over l2-normalised q and k (the same function, "
                                       "a baseline for our kernels) instead of attention_cuda")
     sdpa_backend: str = option("auto", "the backend of attention run on SDPA (softmax; cosine with cosine_sdpa); "
@@ -68,6 +70,12 @@ class GPTConfig:
     rope_base: float = option(10000.0, "RoPE frequency base")
     short_conv: int = option(0, "kernel size of a causal depthwise convolution ahead of each block's attention, "
                                 "as in Zoology's recall models: it hands each position its predecessors; 0 = none")
+    swa_window: int = option(0, "Based's hybrid (Arora et al. 2024): the blocks of odd index (1, 3, ...) run "
+                                "causal softmax over the last swa_window positions (the query and the swa_window - 1 "
+                                "before it) in place of the attention family; the even ones keep it. Fastmax's weights "
+                                "cannot concentrate (f(x) >= a0/2 for every key), so it learns local byte statistics "
+                                "poorly: small exact softmax windows (Based: 64) do the local work and leave the "
+                                "family the long range. 0 = none")
 
     def __post_init__(self):
         check_fields(self)
@@ -83,6 +91,8 @@ class GPTConfig:
                              f"(RoPE rotates pairs), got {self.n_embd}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout: expected a probability in [0, 1), got {self.dropout}")
+        if self.use_cuda_kernel is None and (self.attention == "softmax" or self.cosine_sdpa):
+            self.use_cuda_kernel = False  # attention on SDPA: nothing for auto to choose
         if self.use_cuda_kernel and self.attention == "softmax":
             raise ValueError("use_cuda_kernel: softmax always runs on PyTorch's fused SDPA kernels; "
                              "the flag selects our kernels for attention='cosine' or 'fastmax'")
@@ -98,6 +108,11 @@ class GPTConfig:
             raise ValueError(f"rope_base: expected > 1, got {self.rope_base}")
         if self.short_conv < 0 or self.short_conv == 1:
             raise ValueError(f"short_conv: expected 0 (none) or a kernel size of at least 2, got {self.short_conv}")
+        if self.swa_window < 0:
+            raise ValueError(f"swa_window: expected 0 (none) or a window of at least 1 position, got {self.swa_window}")
+        if self.swa_window and self.n_layer < 2:
+            raise ValueError(f"swa_window: windows the blocks of odd index, so it needs n_layer >= 2, "
+                             f"got n_layer={self.n_layer}")
         if self.fastmax_temperature is None:
             self.fastmax_temperature = math.sqrt(self.head_dim)
         if self.attention == "fastmax":
@@ -177,11 +192,14 @@ class ConvCache:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    """One transformer block; ``layer``, its index, picks its attention (layer_window: with swa_window, the odd
+    blocks run sliding-window softmax)."""
+
+    def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
         self.conv = ShortConv(cfg) if cfg.short_conv else None
         self.attn_norm = RMSNorm(cfg.n_embd)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
 
@@ -201,7 +219,8 @@ class LayerCache:
 
 class DecodeCache:
     """What decoding keeps between steps (GPT.new_cache): per block its attention's cache (softmax and
-    cosine: the keys and values of the last seq_len positions; fastmax: the moments of every key) and its
+    cosine: the keys and values of the last seq_len positions; fastmax: the moments of every key; a
+    sliding-window block, swa_window's: the keys and values of the last swa_window positions) and its
     short convolution's inputs; the position of the next byte, on the host (pos, for checks) and on the
     device (position, which a step reads, so that it launches the same work at every position); and the
     RoPE rows of the positions it takes, 0 .. positions - 1."""
@@ -209,7 +228,7 @@ class DecodeCache:
     def __init__(self, cfg: GPTConfig, positions: int):
         if positions < 1:
             raise ValueError(f"positions: expected >= 1 (the prompt's bytes plus those to generate), got {positions}")
-        self.layers = [LayerCache(decode_cache(cfg), ConvCache()) for _ in range(cfg.n_layer)]
+        self.layers = [LayerCache(decode_cache(cfg, layer_window(cfg, i)), ConvCache()) for i in range(cfg.n_layer)]
         self.pos, self.positions = 0, positions
         self.rope = rope_tables(positions, cfg.head_dim, cfg.rope_base)
         self.position = torch.zeros(1, dtype=torch.long)
@@ -220,7 +239,8 @@ class DecodeCache:
 
     def nbytes(self) -> int:
         """Bytes of the layers' decoding state (keys and values, or moments, and the convolution's inputs):
-        seq_len-sized for softmax and cosine, one size at every context for fastmax."""
+        seq_len-sized for softmax and cosine, swa_window-sized for a sliding-window block, one size at every
+        context for fastmax."""
         return sum(x.nbytes for layer in self.layers for part in (layer.attn, layer.conv)
                    for x in vars(part).values() if isinstance(x, torch.Tensor))
 
@@ -239,7 +259,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(VOCAB_SIZE, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, VOCAB_SIZE, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: the byte's input and output embeddings are one matrix

@@ -57,3 +57,14 @@ def fake_kernels(monkeypatch):
 
     monkeypatch.setattr(_extension, "chunked_head_dims", lambda dtype: Chunked.chunked)
     return Chunked
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread, and far faster than on two when the machine is busy: a module
+    with `pytestmark = pytest.mark.usefixtures("one_thread")` runs so."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+

@@ -70,3 +70,33 @@ def poison_allocator():
     blocks = [torch.full((2**17,), float("nan"), device="cuda") for _ in range(16)]
     blocks.append(torch.full((2**26,), float("nan"), device="cuda"))
     del blocks
+
+
+def decode_step_ops(model, data: torch.Tensor, prefill: int) -> list[list]:
+    """The operations (and their arguments' shapes) of each decode step of model over data after a prefill of
+    `prefill` bytes: what a CUDA graph of one step (CapturedStep) needs to be the same at every position."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_map
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # tensors by their shapes, everything else (a slice's start, say) as it is, NaN as a word (NaN != NaN)
+            seen = tree_map(lambda a: tuple(a.shape) if isinstance(a, torch.Tensor) else "nan" if a != a else a,
+                            (args, kwargs))
+            self.ops.append((str(func), seen))
+            return func(*args, **(kwargs or {}))
+
+    cache = model.new_cache(data.shape[1])
+    steps = []
+    with torch.no_grad():
+        model(data[:, :prefill], cache=cache)
+        for t in range(prefill, data.shape[1]):
+            byte = data[:, t:t + 1]
+            with Record() as record:
+                model(byte, cache=cache)
+            steps.append(record.ops)
+    return steps

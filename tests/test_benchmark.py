@@ -11,13 +11,7 @@ import torch
 import benchmark
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny tensors: thread hand-offs would dominate and make the runs slow on a small CI machine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TINY = ["--device", "cpu", "--batch", "1", "--heads", "2", "--dim-head", "8",

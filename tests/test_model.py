@@ -8,6 +8,7 @@ from model import GPT, GPTConfig
 from model.gpt import RMSNorm
 from attention_cuda.reference import apply_rope
 from model.attention import CausalSelfAttention, attention_flops_per_token, rope_tables
+from helpers import decode_step_ops
 
 FAMILIES = {
     "softmax": {"attention": "softmax"},
@@ -189,33 +190,9 @@ def test_a_decode_step_does_the_same_work_at_every_position(attention):
     """A step's operations and their shapes do not depend on its position (the position is a device tensor,
     the ring is read whole behind a mask, states change in place), before the ring wraps and after: what
     lets CapturedStep record one step and replay it at every later position."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_map
-
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            # tensors by their shapes, everything else (a slice's start, say) as it is, NaN as a word (NaN != NaN)
-            seen = tree_map(lambda a: tuple(a.shape) if isinstance(a, torch.Tensor) else "nan" if a != a else a,
-                            (args, kwargs))
-            self.ops.append((str(func), seen))
-            return func(*args, **(kwargs or {}))
-
     torch.manual_seed(0)
     model = GPT(tiny(attention=attention, short_conv=3)).eval()
-    data = torch.randint(0, 256, (2, 40))
-    cache = model.new_cache(40)
-    steps = []
-    with torch.no_grad():
-        model(data[:, :5], cache=cache)
-        for t in range(5, 40):
-            byte = data[:, t:t + 1]
-            with Record() as record:
-                model(byte, cache=cache)
-            steps.append(record.ops)
+    steps = decode_step_ops(model, torch.randint(0, 256, (2, 40)), prefill=5)
     assert steps[0] and all(ops == steps[0] for ops in steps)  # positions 5 .. 39; seq_len 16: the ring wraps
 
 
