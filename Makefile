@@ -8,7 +8,7 @@ ARGS ?=
 # bundle CUDA (several GB). Our machines hold the CPU wheel of 2.13.0 locally; elsewhere take PyTorch's
 # CPU index:  make install TORCH_CPU="torch --index-url https://download.pytorch.org/whl/cpu"
 TORCH_CPU ?= torch==2.13.0
-# A local enwik8 copy for train-tiny and compare (DATA=path); empty = the verified download.
+# A local enwik8 copy for train, train-tiny and compare (DATA=path); empty = the verified download.
 DATA ?=
 DATA_FLAG = $(if $(DATA),--data-path $(DATA))
 
@@ -20,8 +20,8 @@ install:  ## torch (CPU build without a GPU), dependencies, this package (+ kern
 	$(PYTHON) -m pip install --no-build-isolation -e .
 	@$(PYTHON) -m attention_cuda
 
-train:  ## the main job: configs/base on a GPU, configs/tiny_cpu (said so) without one; enwik8 is downloaded on first use
-	$(PYTHON) train.py $(ARGS)
+train:  ## the main job: configs/base on a GPU, configs/tiny_cpu (said so) without one; enwik8 is downloaded on first use (DATA=path for a local copy)
+	$(PYTHON) train.py $(DATA_FLAG) $(ARGS)
 
 train-tiny:  ## a few minutes on a CPU (DATA=path for a local copy)
 	$(PYTHON) train.py --config configs/tiny_cpu $(DATA_FLAG) $(ARGS)
@@ -35,7 +35,7 @@ test-gpu:  ## only the GPU-marked tests (needs a CUDA GPU)
 bench:  ## kernels vs baselines on the seeds' shapes (needs a CUDA GPU)
 	$(PYTHON) benchmark.py --preset seeds --json bench/results_seeds.json $(ARGS)
 
-compare:  ## the study: attentions x contexts x seeds on every GPU, lr sweep, recall probe -> bench/study/ (DATA=path for a local copy)
+compare:  ## the study (docs/study.md): attention x short conv x context x seed on every GPU, rate sweeps, recall probe -> bench/study/ (DATA=path for a local copy)
 	$(PYTHON) compare.py $(DATA_FLAG) $(ARGS)
 
 context-limit:  ## longest context one training step fits per attention (batch 1, configs/base) -> bench/context_limit.*

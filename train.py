@@ -13,7 +13,9 @@ is) nor samples.
 Every field of TrainConfig can be set in the config file (``name = literal`` lines) and overridden on
 the command line as ``--name value``, ``--name=value`` or ``--name-with-dashes value``; boolean flags
 alone mean true (``--compile``), or take true/false. A run writes out/<run_name>/: config.json,
-metrics.jsonl (one JSON object per step and per evaluation) and ckpt.pt.
+metrics.jsonl (one JSON object per step and per evaluation) and ckpt.pt; with ``--keep_best`` also best.pt, the
+checkpoint of the lowest periodic val loss so far (a run that starts to memorise keeps the model from before).
+``--stop_accuracy A`` (recall) ends a run, as finished, at the first periodic evaluation whose accuracy reaches A.
 
 ``--resume auto`` continues from out/<run_name>/ckpt.pt when there is one (else starts fresh);
 ``--resume PATH`` from that checkpoint. A resumed run keeps the checkpoint's value of every field the command
@@ -21,8 +23,10 @@ line (or an explicit --config) does not give, and reproduces the uninterrupted r
 CPU); resuming a run that has reached max_iters does nothing. SIGINT or SIGTERM finishes the current step and
 the evaluation due after it, saves a checkpoint and exits with code 130 (or 0 when that step was the last: the
 run is then finished); a second SIGINT interrupts at once. Exit codes: 0 training finished; 2 bad command
-line, config, data or checkpoint; 3 diverged (a non-finite loss, gradient norm or weight: the step is not
-taken, no checkpoint is written, the last good one stays); 130 stopped by a signal.
+line, config, data or checkpoint, or out of GPU memory (the message says what the run asked for and what to
+try); 3 diverged (a non-finite loss, gradient norm or weight: the step is not taken, no checkpoint is written,
+the last good one stays); 4 a checkpoint could not be written (a full disk: the last good one stays); 130
+stopped by a signal.
 
 Under torchrun (WORLD_SIZE > 1) each process trains a DistributedDataParallel replica on its own GPU (or
 CPU, over gloo) and draws its own random windows. grad_accum_steps counts the micro-steps of all processes
@@ -59,15 +63,19 @@ from tqdm import tqdm
 
 from data import DataError, RandomWindowSampler, RecallSampler, RecallTask, data_fingerprint, load_enwik8
 from lab.config import CommandLine, TrainConfig, parse_command_line, resumed_config, usage_error
-from lab.files import RunDir, RunLog, checkpoint_to_resume, describe_data, save_checkpoint
-from lab.steps import (autocast_for, clip_gradients, evaluate, evaluate_recall, finite_weights, gather_from_ranks,
-                       lr_at, make_optimizer, peak_flops, peak_memory_gib, rng_states, sample_text, set_rng_states,
-                       setup_device, training_model)
+from lab.files import (CheckpointWriteError, RunDir, RunLog, checkpoint_to_resume, describe_data, resolve_wandb_mode,
+                       save_checkpoint)
+from lab.steps import (attention_described, autocast_for, clip_gradients, evaluate, evaluate_recall, finite_weights,
+                       gather_from_ranks, lr_at, make_optimizer, memory_advice, peak_flops, peak_memory_gib, rng_states,
+                       sample_text, scores_problem, set_rng_states, setup_device, training_model)
 from model import GPT
+from model.diagnostics import attention_concentration, summarize
 from model.context_parallel import context_device_problem
 
+EXIT_USAGE = 2  # the command line, config, data or checkpoint is wrong, or the run does not fit the GPU
 EXIT_STOPPED = 130  # stopped early by SIGINT/SIGTERM, after saving a checkpoint
 EXIT_DIVERGED = 3  # stopped by a non-finite loss, gradient or weight; the last good checkpoint is kept
+EXIT_UNSAVED = 4  # a checkpoint could not be written (a full disk); the last good one is kept
 SAMPLE_PROMPT_BYTES = 64
 
 
@@ -129,7 +137,7 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
     if rank == 0 and cli.note:
         print(cli.note)
     run_dir = Path(cfg.out_dir) / cfg.run_name
-    ckpt_path = run_dir / "ckpt.pt"
+    ckpt_path, best_path = run_dir / "ckpt.pt", run_dir / "best.pt"
     ckpt = checkpoint_to_resume(cli.resume, ckpt_path, world_size)
     if ckpt is not None:
         cfg = resumed_config(cfg, cli.given, ckpt)
@@ -146,18 +154,23 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
         usage_error(f"grad_accum_steps: expected a multiple of {data} (it counts the micro-steps of all data-parallel "
                     f"processes together), got {cfg.grad_accum_steps}")
     micro_steps = cfg.grad_accum_steps // data_size
-    if ckpt is not None and ckpt["step"] >= cfg.max_iters:
+    wandb_mode = resolve_wandb_mode(cfg) if rank == 0 else None  # before anything is loaded or written
+    if ckpt is not None and (ckpt["step"] >= cfg.max_iters or ckpt.get("stopped_at_accuracy")):
         # Nothing left to train. A checkpoint is written after its step's evaluations, so a finished run's
         # final ones are logged already: running them again would log them twice.
         if rank == 0:
-            print(f"{cfg.run_name}: already complete: the checkpoint is at step {ckpt['step']}, max_iters is "
-                  f"{cfg.max_iters}; nothing to do (a larger --max_iters trains on, at min_lr past "
-                  f"lr_decay_iters={cfg.lr_decay_iters})")
+            why = (f"it reached stop_accuracy at step {ckpt['step']}" if ckpt.get("stopped_at_accuracy") else
+                   f"the checkpoint is at step {ckpt['step']}, max_iters is {cfg.max_iters}; a larger --max_iters "
+                   f"trains on, at min_lr past lr_decay_iters={cfg.lr_decay_iters}")
+            print(f"{cfg.run_name}: already complete ({why}); nothing to do")
         return 0
     device, dtype = setup_device(cfg, local_rank, world_size)
     problem = context_device_problem(cfg, device) if context > 1 else None
     if problem is not None:
         usage_error(f"context_parallel {context}: {problem}")
+    problem = scores_problem(cfg, device, dtype)
+    if problem is not None:
+        usage_error(problem)
     autocast = autocast_for(device, dtype)
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
@@ -188,8 +201,9 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
         context_group, _ = dist.new_subgroups(context)  # every rank takes part in making every group
         model.set_context_group(context_group)
     optimizer = make_optimizer(model, cfg, device)
-    start_step, run_id = 0, None
+    start_step, run_id, best = 0, None, None  # best: the lowest val loss so far (keep_best), {"step", "loss"}
     if ckpt is not None:
+        best = ckpt.get("best")
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         sampler.load_state_dict(ckpt["sampler"])
@@ -214,11 +228,11 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
     if rank == 0:
         held.callback(RunDir(run_dir).close)
         (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
-        run_log = RunLog(cfg, run_dir, run_id, start_step)
+        run_log = RunLog(cfg, run_dir, run_id, start_step, wandb_mode)
         run_id = run_log.wandb.id
         task = f", recall of {cfg.recall_queries} of {cfg.recall_pairs} pairs" if cfg.task == "recall" else ""
-        print(f"{cfg.run_name}: {model.num_params() / 1e6:.2f}M params, {cfg.attention} attention"
-              f"{' (CUDA kernel)' if cfg.use_cuda_kernel else ''}{task}, {tokens_per_step:,} tokens/step, "
+        print(f"{cfg.run_name}: {model.num_params() / 1e6:.2f}M params, {attention_described(cfg)}"
+              f"{task}, {tokens_per_step:,} tokens/step, "
               f"{flops_per_token / 1e6:.1f} MFLOP/token, {device} {dtype}"
               f"{f' x {world_size} processes' if world_size > 1 else ''}"
               f"{f' in context groups of {context}' if context > 1 else ''}, writing to {run_dir}"
@@ -227,7 +241,7 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
             print(f"perf/mfu not logged: no peak FLOP/s known for {device} {dtype}; pass --peak_tflops to set it")
     saved_step = start_step if ckpt is not None else None
 
-    def checkpoint(step: int) -> None:
+    def checkpoint(step: int, path: Path = ckpt_path, stopped_at_accuracy: bool = False) -> None:
         nonlocal saved_step
         if not finite_weights(model):  # the same on every rank: DDP keeps the replicas equal
             raise Diverged(f"the weights hold inf or NaN at step {step}")
@@ -236,12 +250,17 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
         if rank == 0:
             save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                              "config": asdict(cfg), "rng": rngs, "sampler": sampler.state_dict(),
-                             "world_size": world_size, "wandb_run_id": run_id, "data": fingerprint}, ckpt_path)
-        saved_step = step
+                             "world_size": world_size, "wandb_run_id": run_id, "data": fingerprint, "best": best,
+                             "stopped_at_accuracy": stopped_at_accuracy}, path)
+        if path == ckpt_path:
+            saved_step = step
 
-    def log_eval(step: int, split: str, max_windows: int | None, with_sample: bool) -> None:
-        # enwik8 is scored by bpc, overall and by position in the window; recall by its loss and accuracy over
-        # the answers, which is all it asks (its other targets are IGNORE_INDEX).
+    def log_eval(step: int, split: str, max_windows: int | None, with_sample: bool) -> float | None:
+        """Evaluate on split, log it, keep the best checkpoint (keep_best); recall's accuracy, else None.
+        enwik8 is scored by bpc, overall and by position in the window; recall by its loss and accuracy over the
+        answers, which is all it asks (its other targets are IGNORE_INDEX)."""
+        nonlocal doing, best
+        doing = f"the {split} evaluation at step {step}"
         curve = accuracy = None
         if cfg.task == "enwik8":
             loss, curve = evaluate(model, splits[split], cfg, device, autocast, max_windows, data_rank, data_size)
@@ -254,18 +273,34 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
             # With sample_tokens = 0 the "sample" would be the prompt alone.
             sample = (sample_text(model, prompt, cfg.sample_tokens, device, autocast, cfg.seed + step)
                       if with_sample and cfg.sample_tokens and prompt is not None else None)
-            run_log.log_eval(step, split, loss, curve, sample, accuracy)
+            run_log.log_eval(step, split, loss, curve, sample, accuracy,
+                             attention_stats(split) if cfg.task == "enwik8" and split == "val" else None)
             tqdm.write(f"step {step}: {split} bpc {loss / math.log(2):.4f}"
                        + (f", accuracy {accuracy:.4f}" if accuracy is not None else "")
                        + (f"\n--- sample ---\n{sample}\n--------------" if sample else ""))
+        # Only evaluations on the periodic windows compare with each other (a final one may score more).
+        if cfg.keep_best and split == "val" and max_windows == cfg.eval_max_windows and (
+                best is None or loss < best["loss"]):
+            best = {"step": step, "loss": loss}
+            checkpoint(step, best_path)
+        return accuracy
 
-    step, exit_code, stopping = start_step, 0, False
+    def attention_stats(split: str) -> dict:
+        """How concentrated each head's weights are on the split's first window (model/diagnostics.py)."""
+        x = torch.from_numpy(splits[split][:cfg.seq_len].astype(np.int64))[None].to(device)
+        with autocast:
+            stats = attention_concentration(model, x)
+        return {**summarize(stats), "attn/max_weight_heads": stats["max_weight"], "attn/entropy_heads": stats["entropy"]}
+
+    step, exit_code, stopping, reached = start_step, 0, False, False
+    doing = "the first step"  # what an out-of-memory error interrupted
     bar = tqdm(total=cfg.max_iters, initial=start_step, disable=rank != 0, dynamic_ncols=True)
     # The handlers stay in place until the log is closed: a signal during wandb's finish must not cut it short.
     with StopOnSignal() as stop:
         try:
-            while step < cfg.max_iters and not stopping:
+            while step < cfg.max_iters and not stopping and not reached:
                 t0 = time.perf_counter()
+                doing = f"training step {step + 1}"
                 lr = lr_at(step, cfg)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
@@ -309,15 +344,19 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
                 # step and would never log it.
                 if step < cfg.max_iters:
                     if step % cfg.eval_interval == 0:
-                        log_eval(step, "val", cfg.eval_max_windows, with_sample=True)
-                    if step % cfg.ckpt_interval == 0 and not stopping:  # else the checkpoint below is this step's
+                        accuracy = log_eval(step, "val", cfg.eval_max_windows, with_sample=True)
+                        reached = cfg.stop_accuracy is not None and accuracy >= cfg.stop_accuracy
+                    # else the checkpoint below is this step's
+                    if step % cfg.ckpt_interval == 0 and not (stopping or reached):
                         checkpoint(step)
             bar.close()
-            finished = step == cfg.max_iters
+            finished = step == cfg.max_iters or reached
             if finished:
+                if rank == 0 and reached:
+                    print(f"val accuracy reached stop_accuracy={cfg.stop_accuracy:g} at step {step}: the run is done")
                 log_eval(step, "val", cfg.final_eval_max_windows, with_sample=True)
                 log_eval(step, "test", cfg.final_eval_max_windows, with_sample=False)
-            checkpoint(step)
+            checkpoint(step, stopped_at_accuracy=reached)
             if not finished:
                 exit_code = EXIT_STOPPED
                 if rank == 0:
@@ -332,6 +371,21 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
                 print(f"train.py: error: training diverged: {err}. Stopped without taking that step or writing a "
                       f"checkpoint; {kept}. Lower --lr (now {cfg.lr:g}) or --grad_clip, and start again "
                       f"(or --resume from a good checkpoint).", file=sys.stderr)
+        except torch.OutOfMemoryError:
+            bar.close()
+            exit_code = EXIT_USAGE
+            if rank == 0:
+                kept = f"{ckpt_path} holds step {saved_step}" if saved_step is not None else "no checkpoint was written"
+                total = (f" ({torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB)"
+                         if device.type == "cuda" else "")
+                print(f"train.py: error: out of memory during {doing} on {device}{total}; {kept}. "
+                      + memory_advice(cfg), file=sys.stderr)
+        except CheckpointWriteError as err:
+            bar.close()
+            exit_code = EXIT_UNSAVED
+            if rank == 0:
+                print(f"train.py: error: {err}. Free some space (or pass another --out_dir) and continue with "
+                      "--resume auto.", file=sys.stderr)
         if run_log is not None:
             run_log.close(exit_code)
     if world_size > 1:

@@ -61,6 +61,12 @@ class TrainConfig(GPTConfig):
                                               "split")
     final_eval_max_windows: int | None = option(None, "windows (recall: sequences) per split at the end; None = the "
                                                       f"whole split (recall: its {EVAL_SEQUENCES} sequences)")
+    keep_best: bool = option(False, "also keep the checkpoint of the lowest val loss so far, best.pt beside ckpt.pt, "
+                                    "written at each evaluation that improves it: a run that starts to memorise its "
+                                    "data keeps the model from before (the study evaluates it)")
+    stop_accuracy: float | None = option(None, "recall: end the run, as finished, at the first periodic evaluation "
+                                               "whose val accuracy reaches this (Zoology's early stop); None = "
+                                               "train to max_iters")
     sample_tokens: int = option(256, "bytes generated at each evaluation (0 = no sample); enwik8 only")
     ckpt_interval: int = option(1000, "steps between checkpoints (one is always saved at the end)")
     device: str = option("auto", "auto = cuda if available, else cpu; or cpu, cuda, cuda:N")
@@ -121,6 +127,9 @@ class TrainConfig(GPTConfig):
                 context_zigzag(self, self.context_parallel)
             except ValueError as err:
                 raise ValueError(f"context_parallel {self.context_parallel}: {err}") from None
+        if self.stop_accuracy is not None and (self.task != "recall" or not 0 < self.stop_accuracy <= 1):
+            raise ValueError(f"stop_accuracy: expected None, or an accuracy in (0, 1] with task 'recall', got "
+                             f"{self.stop_accuracy} with task {self.task!r}")
         if self.task == "recall":
             if self.data_path is not None:
                 raise ValueError(f"data_path: task 'recall' generates its sequences and reads no file; expected "
@@ -138,7 +147,7 @@ class TrainConfig(GPTConfig):
 # Fields a resumed run may change: they steer logging, evaluation and where things run, not the
 # trajectory of the weights. Any other difference from the checkpoint's config is refused.
 RESUME_MAY_CHANGE = {"data_path", "max_iters", "eval_interval", "eval_max_windows", "final_eval_max_windows",
-                     "sample_tokens", "ckpt_interval", "device", "compile", "peak_tflops", "use_cuda_kernel",
+                     "sample_tokens", "ckpt_interval", "device", "compile", "peak_tflops", "use_cuda_kernel", "keep_best",
                      "out_dir", "run_name", "wandb_mode", "wandb_project", "wandb_group", "wandb_tags"}
 
 
@@ -158,7 +167,7 @@ FIELD_TYPES = _field_types()
 
 def _type_name(name: str) -> str:
     base, optional = FIELD_TYPES[name]
-    return base.__name__ + (" or None" if optional else "")
+    return base.__name__ + ((" or auto" if base is bool else " or None") if optional else "")
 
 
 def _check_type(name: str, value):
@@ -178,7 +187,8 @@ def _cli_parser_for(name: str):
     base, optional = FIELD_TYPES[name]
 
     def parse(text: str):
-        if optional and text.lower() == "none":
+        # An optional flag's None is its automatic choice (use_cuda_kernel), so "auto" names it too.
+        if optional and text.lower() in (("none", "auto") if base is bool else ("none",)):
             return None
         if base is bool:
             if text.lower() in ("true", "1", "yes"):

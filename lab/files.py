@@ -2,11 +2,14 @@
 metrics log (metrics.jsonl, strict JSON, mirrored to Weights & Biases)."""
 from __future__ import annotations
 
+import errno
 import fcntl
 import html
 import json
 import math
 import os
+import shutil
+import stat
 import tempfile
 import zipfile
 from dataclasses import asdict
@@ -27,6 +30,9 @@ def write_atomically(path: Path, write) -> None:
     """
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp makes the file 0600; the replacement keeps the mode of the file it replaces, or a new file's
+        # (0666 less the umask), as an open() in its place would have.
+        os.fchmod(fd, stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -42,8 +48,39 @@ def write_atomically(path: Path, write) -> None:
         os.close(dir_fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it
+    os.umask(mask)
+    return mask
+
+
+class CheckpointWriteError(Exception):
+    """A checkpoint could not be written (a full disk, say); the file it would have replaced is intact."""
+
+
 def save_checkpoint(state: dict, path: Path) -> None:
-    write_atomically(path, lambda f: torch.save(state, f))
+    """torch.save(state) to path, atomically, or CheckpointWriteError saying why in words: on a full disk torch's
+    zip writer fails with "[enforce fail at inline_container.cc] unexpected pos", which names no disk."""
+    try:
+        write_atomically(path, lambda f: torch.save(state, f))
+    except (RuntimeError, OSError) as err:
+        free = shutil.disk_usage(path.parent).free
+        full = getattr(err, "errno", None) == errno.ENOSPC or free < _tensor_bytes(state)
+        kept = f"{path} still holds the previous checkpoint" if path.exists() else "no checkpoint was written before"
+        cause = (f"the disk holding {path.parent} is full ({free / 2**20:,.0f} MiB free)" if full
+                 else f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
+        raise CheckpointWriteError(f"could not write the checkpoint {path}: {cause}; {kept}") from err
+
+
+def _tensor_bytes(obj) -> int:
+    """The bytes of the tensors in a nest of dicts, lists and tuples: about what torch.save writes of it."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
 
 
 CHECKPOINT_KEYS = {"model", "optimizer", "step", "config", "rng", "sampler", "world_size", "wandb_run_id", "data"}
@@ -76,11 +113,18 @@ def load_checkpoint(path: str | Path, arg: str = "--resume") -> dict:
 
 
 def resolve_wandb_mode(cfg: TrainConfig) -> str:
-    if cfg.wandb_mode != "auto":
-        return cfg.wandb_mode
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
-    return "online" if wandb.login(prompt=False, verify=False) else "offline"
+    """The wandb mode the run logs in: auto = online when logged in, else offline. Online without a login is a
+    usage error, raised before the run writes anything (wandb.init would fail only after the data loaded)."""
+    mode = cfg.wandb_mode if cfg.wandb_mode != "auto" else os.environ.get("WANDB_MODE") or "auto"
+    if mode not in ("auto", "online"):
+        return mode
+    logged_in = wandb.login(prompt=False, verify=False)
+    if mode == "auto":
+        return "online" if logged_in else "offline"
+    if not logged_in:
+        usage_error("wandb_mode: 'online' needs a wandb login, and there is none here: run `wandb login` (or set "
+                    "WANDB_API_KEY), or pass --wandb-mode offline (`wandb sync` uploads the run later)")
+    return mode
 
 
 def json_line(row: dict) -> str:
@@ -141,14 +185,14 @@ def kept_metrics(path: Path, start_step: int) -> str:
 class RunLog:
     """Rank 0's record of a run: metrics.jsonl in the run directory, and the same values in wandb."""
 
-    def __init__(self, cfg: TrainConfig, run_dir: Path, run_id: str | None, start_step: int):
+    def __init__(self, cfg: TrainConfig, run_dir: Path, run_id: str | None, start_step: int, wandb_mode: str):
         path = run_dir / "metrics.jsonl"
         if path.exists():
             kept = kept_metrics(path, start_step)
             write_atomically(path, lambda f: f.write(kept.encode()))
         self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.run_name, group=cfg.wandb_group,
                                 tags=[t for t in cfg.wandb_tags.split(",") if t], config=asdict(cfg),
-                                mode=resolve_wandb_mode(cfg), id=run_id, resume="allow" if run_id else None)
+                                mode=wandb_mode, id=run_id, resume="allow" if run_id else None)
         self.jsonl = open(path, "a")  # after wandb.init, which can fail, so that a failure leaks no file
 
     def log(self, step: int, metrics: dict, wandb_extra: dict | None = None) -> None:
@@ -157,10 +201,12 @@ class RunLog:
         self.wandb.log({**metrics, **(wandb_extra or {})}, step=step)
 
     def log_eval(self, step: int, split: str, loss: float, curve=None, sample: str | None = None,
-                 accuracy: float | None = None) -> None:
+                 accuracy: float | None = None, attention: dict | None = None) -> None:
         """An evaluation's row: loss and bpc (over the scored bytes: recall's answers), and what was measured of
-        them besides: the bpc-by-position curve, a sample, the accuracy."""
+        them besides: the bpc-by-position curve, a sample, the accuracy, the attention's concentration
+        (model.diagnostics' "attn/..." values, logged as split/attn/...)."""
         metrics, extra = {f"{split}/loss": loss, f"{split}/bpc": loss / math.log(2)}, {}
+        metrics.update({f"{split}/{k}": v for k, v in (attention or {}).items()})
         if curve is not None:
             metrics[f"{split}/bpc_by_position"] = curve
             table = wandb.Table(columns=["position", "bpc"], data=[list(point) for point in curve])

@@ -18,7 +18,7 @@ from attention_cuda import cuda_unavailable_reason
 from data import eval_windows, score
 from lab.config import TrainConfig, usage_error
 from model import GPT
-from model.attention import attention_fn
+from model.attention import attention_fn, attention_plan
 
 # Datasheet dense bf16 peak of the H100/H200 SXM (989 TFLOP/s), the usual denominator for MFU so that
 # numbers compare across reports; other devices need --peak_tflops.
@@ -180,6 +180,21 @@ def model_from_checkpoint(ckpt: dict, arg: str, **overrides) -> tuple[GPT, Train
     return model, cfg, device, dtype
 
 
+def resolve_kernel_choice(cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Settle use_cuda_kernel = None (auto) for this device and dtype: our kernels where attention_cuda's plan for
+    the model's attention takes them (CUDA, the kernels loaded or JIT-built, the head dim compiled), else the
+    PyTorch reference. Returns the line that says which and why, or None when the config had chosen already."""
+    if cfg.use_cuda_kernel is not None:
+        return None
+    plan = attention_plan(cfg, device, dtype)  # use_cuda_kernel None plans with backend "auto"
+    cfg.use_cuda_kernel = plan.backend == "cuda"
+    if cfg.use_cuda_kernel:
+        return f"use_cuda_kernel auto: {cfg.attention} attention on our CUDA kernels (--use-cuda-kernel false: the reference)"
+    reason = "".join(map(str, plan.why[0][1:]))
+    return (f"use_cuda_kernel auto: {cfg.attention} attention on the PyTorch reference, as {reason}"
+            + (" (--use-cuda-kernel forces the kernels)" if device.type == "cuda" else ""))
+
+
 def attention_problem(cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the attention cfg asks for cannot run here, or None: our kernels (use_cuda_kernel), or a forced
     SDPA backend (sdpa_backend), which cover some devices, head dims, dtypes and forms only. One call on
@@ -201,6 +216,46 @@ def attention_problem(cfg: TrainConfig, device: torch.device, dtype: torch.dtype
     except (ValueError, NotImplementedError, RuntimeError) as err:  # SDPA: "No available kernel" is a RuntimeError
         return str(err).strip().splitlines()[0]
     return None
+
+
+def attention_described(cfg: TrainConfig) -> str:
+    """The model's attention and the code it runs on, in words."""
+    if cfg.attention == "softmax" or cfg.cosine_sdpa:
+        words = f"{cfg.attention} attention on SDPA ({cfg.sdpa_backend})"
+    else:
+        words = f"{cfg.attention} attention on " + ("our CUDA kernels" if cfg.use_cuda_kernel else "the PyTorch reference")
+    return words + (f" (every other block sliding-window softmax over {cfg.swa_window})" if cfg.swa_window else "")
+
+
+def memory_advice(cfg: TrainConfig) -> str:
+    """What a step asks for and what would make it fit, for an out-of-memory message."""
+    tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps
+    tips = [f"a smaller --batch_size with a larger --grad_accum_steps (the same {tokens:,} tokens a step in more, "
+            "smaller micro-steps)", "a shorter --seq-len"]
+    if cfg.attention != "softmax" and not cfg.cosine_sdpa and not cfg.use_cuda_kernel:
+        tips.insert(0, "--use-cuda-kernel (our kernels never hold the seq_len x seq_len scores)")
+    return (f"the run asks for {tokens:,} tokens a step (batch_size {cfg.batch_size} x seq_len {cfg.seq_len:,} x "
+            f"grad_accum_steps {cfg.grad_accum_steps}), {cfg.n_layer} layers of width {cfg.n_embd}, "
+            f"{attention_described(cfg)}. Try " + "; or ".join(tips))
+
+
+def scores_problem(cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the run cannot fit this GPU, found before any work, or None: the PyTorch reference's quadratic form
+    holds each layer's (batch, heads, seq_len, seq_len) scores, and one such matrix alone larger than the free
+    memory can never be held. (The test is a floor: a run that passes it may still run out.)"""
+    if device.type != "cuda" or cfg.attention == "softmax" or cfg.cosine_sdpa or cfg.use_cuda_kernel:
+        return None
+    plan = attention_plan(cfg, device, dtype)
+    if plan.form != "quadratic":
+        return None
+    scores = cfg.batch_size * cfg.n_head * (cfg.seq_len // cfg.context_parallel) * cfg.seq_len
+    need = scores * plan.score_dtype.itemsize
+    free = torch.cuda.mem_get_info(device)[0]
+    if need <= free:
+        return None
+    return (f"out of memory before the first step: the PyTorch reference's scores of one layer alone need "
+            f"{need / 2**30:,.1f} GiB ({scores:,} {plan.score_dtype} values) and {device} has {free / 2**30:,.1f} GiB "
+            f"free; " + memory_advice(cfg))
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -244,6 +299,9 @@ def setup_device(cfg: TrainConfig, local_rank: int = 0, world_size: int = 1) -> 
         torch.backends.cuda.matmul.allow_tf32 = True  # the few fp32 matmuls outside autocast
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
              "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
+    note = resolve_kernel_choice(cfg, device, dtype)
+    if note is not None and local_rank == 0:
+        print(note)
     reason = attention_problem(cfg, device, dtype)
     if reason:
         field = "use_cuda_kernel: our CUDA kernels" if cfg.use_cuda_kernel else f"sdpa_backend: {cfg.sdpa_backend!r}"

@@ -15,7 +15,7 @@ from wandb.proto import wandb_internal_pb2
 
 import train
 from lab.config import TrainConfig, parse_args, parse_command_line
-from lab.files import save_checkpoint
+from lab.files import CheckpointWriteError, save_checkpoint
 from lab.steps import bpc_by_position
 from helpers import REPO, TINY, read_jsonl
 
@@ -192,7 +192,7 @@ def test_existing_checkpoint_needs_resume_and_the_same_config(run, capsys):
     (["--lr=-1"], "lr: expected > 0"),
     (["--min_lr", "1.0"], "min_lr"),
     (["--bogus", "3"], "unrecognized arguments: --bogus"),
-    (["--use-cuda-kernel", "maybe"], "--use-cuda-kernel: invalid bool value"),
+    (["--use-cuda-kernel", "maybe"], "--use-cuda-kernel: invalid bool or auto value"),
     (["--use-cuda-kernel"], "use_cuda_kernel: our CUDA kernels cannot run this config: training runs on cpu"),
     (["--attention", "softmax", "--use-cuda-kernel"], "use_cuda_kernel: softmax"),
     (["--data-path", "/nonexistent/enwik8"], "/nonexistent/enwik8 does not exist"),
@@ -226,7 +226,7 @@ def test_a_split_shorter_than_a_window_is_refused_before_training(run, capsys, t
 @pytest.mark.parametrize("line, expected", [
     ("n_layerz = 2", "unknown config field 'n_layerz' (did you mean 'n_layer'?)"),
     ("n_layer = 'two'", "n_layer: expected int, got 'two'"),
-    ("use_cuda_kernel = 1", "use_cuda_kernel: expected bool, got 1"),
+    ("use_cuda_kernel = 1", "use_cuda_kernel: expected bool or auto, got 1"),
     ("n_layer = 2 * 3", "n_layer: expected a literal value"),
     ("import os", "expected a `name = literal` line"),
     ("n_layer =", "not a `name = literal` line"),
@@ -318,7 +318,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(train.torch, "save", crash_midway)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointWriteError, match="OSError: disk full; .* still holds the previous checkpoint"):
         save_checkpoint({"step": 3}, path)
     assert torch.load(path)["step"] == 2
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
