@@ -1,292 +1,348 @@
 """The study's report from its runs' result.json files: report.md, PNG plots and results.json.
 
-Numbers are means over seeds with their sample standard deviation (n - 1). A difference is called supported
-when it exceeds twice its standard error (the seeds' spread over sqrt(n), both sides together), which is
-about a 95% test under a normal model with so few seeds, and said to be within noise otherwise.
+What it compares is each run's test bpc from its best-val checkpoint at its trained context (phases.metric).
+Differences are paired over seeds (each seed gives every attention the same data order and initial weights),
+with t-based 95% intervals and Holm-adjusted p-values over every comparison the report words
+(phases.comparisons); a difference is worded as one only where its Holm-adjusted p is under 0.05, and
+otherwise as within noise. Curves over target bytes (the same-target context curve) carry a paired bootstrap
+band over seeds and 64-byte blocks.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
+
 from data.enwik8 import ENWIK8_SIZE, split_sizes
 from model.variants import VARIANTS
+from study.jobs import Protocol
+from study.phases import (cell_values, chosen_rates, comparisons, metric, next_rates, recall_rates, speeds,
+                          sweep_scores)
+from study.stats import bootstrap_mean_grouped, fmt_interval, holm, mean_interval, paired
 
 QUALITY_FLOOR_BPC = 2.0  # a model of this size that learned anything is well below it on enwik8
-# Extrapolation words: the bpc at twice the context over the bpc at the trained context.
-HOLDS, DEGRADES = 1.02, 1.25
-SOLVED = 0.9  # recall accuracy from which a run counts as having learned the task (chance is 1/128)
+MEMORISING_BPC = 0.02  # a final val bpc this far above the run's best evaluation: it began to memorise
+HOLDS = 1.02  # the unseen half "holds" when its bpc is at most this times the trained context's (upper bound)
+SOLVED = 0.95  # recall test accuracy from which a run counts as having solved its cell (chance is 1/128)
+ALPHA = 0.05
 
 
-def collect(runs_dir: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(runs_dir.glob("*/result.json"))]
+def label(variant: str) -> str:
+    return VARIANTS[variant].label
 
 
-def spread(values: list[float]) -> tuple[float, float, int]:
-    """(mean, sample std, n); std is 0 for a single value."""
+def fmt(value, spec: str = ".3f") -> str:
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def ci(values: list[float], digits: int = 3) -> str:
+    """mean [95% t interval], n — over seeds."""
     values = [v for v in values if v is not None]
     if not values:
-        return math.nan, math.nan, 0
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0, len(values)
-
-
-def pm(values: list[float], digits: int = 3) -> str:
-    mean, std, n = spread(values)
-    if n == 0:
         return "–"
-    return f"{mean:.{digits}f} ± {std:.{digits}f}" if n > 1 else f"{mean:.{digits}f} (1 run)"
+    mean, low, high = mean_interval(values)
+    if len(values) < 2:
+        return f"{mean:.{digits}f} (1 run)"
+    return f"{mean:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
 
 
-def differs(a: list[float], b: list[float]) -> tuple[float, float]:
-    """(mean(b) - mean(a), its standard error)."""
-    (ma, sa, na), (mb, sb, nb) = spread(a), spread(b)
-    return mb - ma, math.sqrt(sa * sa / max(na, 1) + sb * sb / max(nb, 1))
-
-
-def chosen_lrs(results: list[dict], variants, lrs) -> dict[str, float]:
-    """Per variant, the sweep's rate with the lowest final val bpc (the only rate when there is no sweep)."""
-    if len(lrs) == 1:
-        return {v: lrs[0] for v in variants}
-    best = {}
-    for v in variants:
-        runs = [r for r in results if r["phase"] == "sweep" and r["variant"] == v and r["status"] == "ok"]
-        if len(runs) == len(lrs):
-            best[v] = min(runs, key=lambda r: r["val_bpc"])["lr"]
-    return best
-
-
-def shared_legend(axes) -> None:
-    """One legend, on the first plot, of every line the plots drew: in a study still running, the first
-    plot's cell may have no runs yet while the others have."""
-    lines = {}
-    for ax in axes:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            lines.setdefault(label, handle)
-    if lines:
-        axes[0].legend(list(lines.values()), list(lines), fontsize=8)
-
-
-def mean_curve(curves: list[list]) -> list[tuple[int, float, float]]:
-    """[(position, mean bpc, std)] over runs whose curves share positions."""
-    by_pos = defaultdict(list)
-    for curve in curves:
-        for pos, bpc in curve:
-            by_pos[pos].append(bpc)
-    return [(pos, *spread(v)[:2]) for pos, v in sorted(by_pos.items())]
+def bpc_curve(evaluation: dict, cut: int) -> np.ndarray | None:
+    """A run's per-block losses at a same-target cut (windows x blocks, nats), or None where it was not scored."""
+    same = (evaluation or {}).get("same_target")
+    if not same or cut not in same["cuts"]:
+        return None
+    return np.asarray(same["block_loss"][same["cuts"].index(cut)], dtype=np.float64)
 
 
 class Report:
-    def __init__(self, protocol, results: list[dict], jobs: list, hardware: str, command: str, params: int):
+    def __init__(self, protocol: Protocol, results: list[dict], jobs: list, hardware: str, command: str,
+                 params: int):
         self.p, self.results, self.jobs = protocol, results, jobs
         self.hardware, self.command, self.params = hardware, command, params
-        self.ok = [r for r in results if r["status"] == "ok"]
-        self.grid = defaultdict(list)  # (variant, seq_len) -> ok grid results
-        self.recall = defaultdict(list)  # (variant, seq_len, pairs) -> test accuracies, one per seed
-        for r in self.ok:
-            if r["phase"] == "grid":
-                self.grid[r["variant"], r["seq_len"]].append(r)
-            elif r["phase"] == "recall" and "test_accuracy" in r:
-                self.recall[r["variant"], r["seq_len"], r["pairs"]].append(r["test_accuracy"])
+        self.grid = defaultdict(list)  # (variant, conv, seq_len) -> ok grid and added-seed results
+        for r in results:
+            if r["phase"] in ("grid", "seeds") and r["status"] == "ok":
+                self.grid[r["variant"], r["conv"], r["seq_len"]].append(r)
+        self.tests = self._tests()
 
-    def cell(self, variant: str, seq_len: int, key: str) -> list:
-        return [r.get(key) for r in self.grid.get((variant, seq_len), [])]
+    def runs(self, v: str, c: int, t: int) -> list[dict]:
+        return self.grid.get((v, c, t), [])
+
+    # ------------------------------------------------------------------ statistics
+
+    def _tests(self) -> list[dict]:
+        """Every worded comparison: its paired difference over seeds and Holm-adjusted p."""
+        tests = []
+        for what, a, b in comparisons(self.p):
+            tests.append({"what": what, "a": a, "b": b,
+                          "diff": paired(cell_values(self.results, *a), cell_values(self.results, *b))})
+        for test, adjusted in zip(tests, holm([t["diff"].p for t in tests])):
+            test["holm"] = adjusted
+        return tests
+
+    def test(self, a: tuple, b: tuple) -> dict | None:
+        return next((t for t in self.tests if t["a"] == a and t["b"] == b), None)
+
+    @staticmethod
+    def words(test: dict, lower: str, higher: str) -> str:
+        """The difference b - a in words: `lower` where b is lower beyond noise (Holm-adjusted), `higher` where it
+        is higher, else within noise; always with its interval."""
+        d = test["diff"]
+        if d.n < 2:
+            return f"not measured ({d.n} paired seed(s))"
+        verdict = (lower if d.mean < 0 else higher) if test["holm"] < ALPHA and d.excludes_zero else "within noise"
+        return f"{verdict}: {d.mean:+.3f} bpc [{d.low:+.3f}, {d.high:+.3f}] (n={d.n}, Holm p = {test['holm']:.3g})"
+
+    def same_target(self, v: str, c: int, t: int, cut: int, base: int) -> tuple[float, float, float, float] | None:
+        """For the runs of (v, c, t): (mean bpc at cut, bpc at cut - bpc at base, its 95% bootstrap band), paired
+        over seeds and 64-byte blocks of the same target bytes; None without two scored runs' curves."""
+        groups, at_cut = [], []
+        for r in self.runs(v, c, t):
+            x, y = bpc_curve(r.get("evaluation"), cut), bpc_curve(r.get("evaluation"), base)
+            if x is not None and y is not None:
+                groups.append(((x - y) / math.log(2)).ravel())
+                at_cut.append(x.mean() / math.log(2))
+        if not groups:
+            return None
+        low, high = bootstrap_mean_grouped(groups)
+        return statistics.fmean(at_cut), statistics.fmean(float(g.mean()) for g in groups), low, high
+
+    def memorising(self) -> list[dict]:
+        """Grid runs whose final val bpc is more than MEMORISING_BPC above their best evaluation."""
+        return [r for runs in self.grid.values() for r in runs
+                if r["val_bpc"] - r["best_val_bpc"] > MEMORISING_BPC]
 
     # ------------------------------------------------------------------ words
 
     def conclusions(self) -> list[str]:
         p, lines = self.p, []
         short, long = min(p.seq_lens), max(p.seq_lens)
-        for v in p.variants:
-            label = VARIANTS[v].label
-            a, b = self.cell(v, short, "val_bpc"), self.cell(v, long, "val_bpc")
-            if len([x for x in a if x is not None]) < 2 or len([x for x in b if x is not None]) < 2:
-                lines.append(f"- **{label}**: too few finished seeds at {short:,} and {long:,} to say.")
-                continue
-            d, se = differs(a, b)
-            if d < -2 * se:
-                verdict = (f"a longer context helps: val bpc falls by {-d:.3f} from {short:,} to {long:,} bytes "
-                           f"({pm(a)} to {pm(b)}), more than twice its standard error ({se:.3f})")
-            elif d > 2 * se:
-                verdict = (f"a longer context hurts at this budget: val bpc rises by {d:.3f} from {short:,} to "
-                           f"{long:,} bytes ({pm(a)} to {pm(b)}; standard error {se:.3f})")
-            else:
-                verdict = (f"the data does not show that a longer context helps: val bpc {pm(a)} at {short:,} and "
-                           f"{pm(b)} at {long:,} bytes differ by {d:+.3f}, within twice the standard error ({se:.3f})")
-            curve = mean_curve(self.cell(v, long, "val_bpc_by_position"))
-            near = [m for pos, m, _ in curve if pos <= short]
-            if curve and near:
-                verdict += (f"; within the {long:,}-byte runs, the last positions score {curve[-1][1]:.3f} bpc against "
-                            f"{near[-1]:.3f} at position {short:,}, so the model "
-                            + ("does use context beyond the shortest length" if curve[-1][1] < near[-1] - 0.01
-                               else "gains little from context beyond the shortest length"))
-            ratio = self.extrapolation_ratio(v, long)
-            if ratio is not None:
-                word = "holds" if ratio <= HOLDS else "degrades" if ratio <= DEGRADES else "breaks"
-                verdict += f"; evaluated at twice the context it {word} (bpc x{ratio:.2f})"
-            lines.append(f"- **{label}**: {verdict}.")
-        return lines + [line for t in p.seq_lens if (line := self.between(t))]
-
-    def limits(self) -> list[str]:
-        """What the runs cannot say, from how they were made: the budget's trade of samples for context, the
-        rate chosen at one context, under-fitting at the long one, the few windows behind the long positions,
-        and variants that differ only in how the same function is computed."""
-        p = self.p
-        short, long = min(p.seq_lens), max(p.seq_lens)
-        lines = [f"- Every run has {p.steps} steps of {p.tokens_per_step:,} tokens, so a {long:,}-byte run trains on "
-                 f"{max(1, p.tokens_per_step // long):,} sequence(s) a step against {p.tokens_per_step // short:,} at "
-                 f"{short:,}: a longer context trades independent samples for context. \"Helps\" and \"hurts\" above "
-                 "hold at this budget; they do not say how the attentions compare at convergence, or on a budget "
-                 "that grows with the context.",
-                 f"- Each attention's learning rate was chosen at {short:,} bytes and kept at every context; the "
-                 "longer contexts, with fewer sequences a step, may want another."]
-        under = []
-        for v in p.variants:
-            a, b = self.cell(v, short, "train_bpc"), self.cell(v, long, "train_bpc")
-            d, se = differs(a, b)
-            if spread(a)[2] > 1 and spread(b)[2] > 1 and d > 2 * se:
-                under.append(f"{VARIANTS[v].label} {spread(b)[0]:.2f} against {spread(a)[0]:.2f}")
-        if under:
-            lines.append(f"- The train bpc rises with the context too ({'; '.join(under)}, at {long:,} and {short:,} "
-                         "bytes): the long-context models fit their training data less in the same steps, so their "
-                         "higher val bpc is under-fitting, not memorising. The runs do not separate what an attention "
-                         "could do with a long context from how fast it learns under this recipe.")
-        windows = p.eval_tokens // long
-        if p.data_path is None or Path(p.data_path).is_file():
-            windows = min(windows, split_sizes(ENWIK8_SIZE if p.data_path is None
-                                                else Path(p.data_path).stat().st_size)[1] // long)
-        if windows < 32:
-            lines.append(f"- At {long:,} bytes the val bpc by position averages {windows} window(s): each position "
-                         "past the first few thousand is measured on the same few stretches of text, so the "
-                         "curve's shape there also reflects which text lies there.")
-        for a, b in itertools.combinations(p.variants, 2):
-            if dict(VARIANTS[a].settings)["attention"] == dict(VARIANTS[b].settings)["attention"]:
-                gaps = [abs(spread(self.cell(a, t, "val_bpc"))[0] - spread(self.cell(b, t, "val_bpc"))[0])
-                        for t in p.seq_lens]
-                gaps = [g for g in gaps if not math.isnan(g)]
-                if gaps:
-                    lrs = [chosen_lrs(self.results, p.variants, p.lrs).get(x) for x in (a, b)]
-                    lines.append(f"- {VARIANTS[a].label} and {VARIANTS[b].label} compute the same function; what "
-                                 f"separates them (up to {max(gaps):.3f} bpc here) is how it is computed and rounded, "
-                                 + (f"the rates the sweep chose ({lrs[0]:g} and {lrs[1]:g}), " if lrs[0] != lrs[1]
-                                    else "") + "and the seeds, not a difference in what the model can learn.")
-        learned = {v: [a >= SOLVED for (w, _, _), accs in self.recall.items() if w == v for a in accs]
-                   for v in p.variants}
-        best = max(learned.values(), key=lambda runs: sum(runs) / max(len(runs), 1), default=[])
-        if best and sum(best) < 0.75 * len(best):
-            lines.append(f"- No attention learns the recall task reliably in {p.recall_steps} steps (the best, "
-                         f"{sum(best)} of {len(best)} runs): the probe tells apart an attention that never learns it "
-                         "from one that sometimes does, not how well each would recall once trained.")
+        for c in p.convs:
+            for t in p.seq_lens:
+                parts = [f"{label(v)} {self.words(test, 'lower than ' + p.reference, 'higher than ' + p.reference)}"
+                         for v in p.variants if v != p.reference and (test := self.test((p.reference, c, t), (v, c, t)))]
+                if parts:
+                    lines.append(f"- **{t:,} bytes, short_conv {c}** (test bpc against {label(p.reference)}): "
+                                 + "; ".join(parts) + ".")
+        if len(p.convs) > 1:
+            a, b = min(p.convs), max(p.convs)
+            for v in p.variants:
+                parts = [f"{t:,}: {self.words(test, 'helps', 'hurts')}" for t in p.seq_lens
+                         if (test := self.test((v, a, t), (v, b, t)))]
+                lines.append(f"- **short_conv {b} against {a}, {label(v)}**: " + "; ".join(parts) + ".")
+        if short != long:
+            for v in p.variants:
+                for c in p.convs:
+                    test = self.test((v, c, short), (v, c, long))
+                    lines.append(f"- **{label(v)}, short_conv {c}, trained at {long:,} against {short:,} bytes**: "
+                                 + self.words(test, "the longer context is better", "the longer context is worse")
+                                 + ".")
+        lines += self.context_words()
         return lines
 
-    def between(self, seq_len: int) -> str | None:
-        """The attentions side by side at one context: the lowest val bpc, and which others are behind it by
-        more than twice the standard error of the difference, or within it; None with fewer than two
-        attentions of two finished seeds each."""
-        cells = {v: [x for x in self.cell(v, seq_len, "val_bpc") if x is not None] for v in self.p.variants}
-        cells = {v: xs for v, xs in cells.items() if len(xs) >= 2}
-        if len(cells) < 2:
-            return None
-        best = min(cells, key=lambda v: spread(cells[v])[0])
-        behind, within = [], []
-        for v, xs in cells.items():
-            if v != best:
-                d, se = differs(cells[best], xs)
-                (behind if d > 2 * se else within).append(f"{VARIANTS[v].label} ({d:+.3f})")
-        words = [f"{VARIANTS[best].label} has the lowest val bpc ({pm(cells[best])})"]
-        if behind:
-            words.append(f"{', '.join(behind)} {'is' if len(behind) == 1 else 'are'} behind by more than twice "
-                         "the standard error")
-        if within:
-            words.append(f"{', '.join(within)} {'is' if len(within) == 1 else 'are'} within it")
-        return f"- **At {seq_len:,} bytes**: " + "; ".join(words) + "."
+    def context_words(self) -> list[str]:
+        """Whether each attention uses its long context: the same target bytes scored with the context cut to
+        256 bytes against the longest cut within the trained context; and the unseen half."""
+        p, lines = self.p, []
+        long = max(p.seq_lens)
+        base = min(p.cuts_for(long))
+        top = max(c for c in p.cuts_for(long) if c <= long)
+        for v in p.variants:
+            for c in p.convs:
+                s = self.same_target(v, c, long, top, base)
+                if s is None:
+                    continue
+                _, d, low, high = s
+                uses = ("uses it: the same bytes score lower" if high < 0 else
+                        "does not use it beyond noise" if low <= 0 else "scores them worse with more context")
+                line = (f"- **{label(v)}, short_conv {c}, trained at {long:,}**: with {top:,} bytes of context "
+                        f"instead of {base:,}, it {uses} ({d:+.3f} bpc [{low:+.3f}, {high:+.3f}])")
+                unseen = self.same_target(v, c, long, 2 * long, long)
+                if unseen is not None:
+                    at_long = self.same_target(v, c, long, long, base)
+                    ratio = unseen[0] / at_long[0]
+                    upper = (at_long[0] + unseen[3]) / at_long[0]
+                    word = "holds" if upper <= HOLDS else "degrades"
+                    line += (f"; on the unseen half (context {2 * long:,}) it {word}: x{ratio:.2f} "
+                             f"({unseen[1]:+.3f} bpc [{unseen[2]:+.3f}, {unseen[3]:+.3f}])")
+                lines.append(line + ".")
+        return lines
 
-    def sweep_tie(self, variant: str, sweep: list[dict]) -> str | None:
-        """Where the sweep's best rate beat the next by less than the std of the grid's seeds at the sweep's
-        context, the margin and that std; else None."""
-        vals = sorted(r["val_bpc"] for r in sweep if r["variant"] == variant and r["status"] == "ok")
-        _, std, n = spread(self.cell(variant, self.p.sweep_seq_len, "val_bpc"))
-        if len(vals) < 2 or n < 2 or vals[1] - vals[0] >= std:
-            return None
-        return f"{VARIANTS[variant].label} by {vals[1] - vals[0]:.3f} bpc (seeds' std {std:.3f})"
-
-    def extrapolation_ratio(self, variant: str, seq_len: int) -> float | None:
-        pairs = [(r["extrapolation"]["bpc"], r["val_bpc"]) for r in self.grid.get((variant, seq_len), [])
-                 if "extrapolation" in r]
-        return statistics.fmean(a / b for a, b in pairs) if pairs else None
+    def limits(self) -> list[str]:
+        p = self.p
+        short, long = min(p.seq_lens), max(p.seq_lens)
+        lines = [f"- Every run trains on {p.epochs:g} epochs of the train split ({p.steps} steps of "
+                 f"{p.tokens_per_step:,} tokens), so a {long:,}-byte run sees {max(1, p.tokens_per_step // long):,} "
+                 f"sequence(s) a step against {p.tokens_per_step // short:,} at {short:,}: a longer context trades "
+                 "independent samples for context. The comparisons hold at this budget, not at convergence."]
+        if p.data_path is not None:
+            lines.append(f"- A pilot: {p.train_bytes:,} train bytes, not enwik8's {split_sizes(ENWIK8_SIZE)[0]:,}. "
+                         "Its bpc is not comparable with published enwik8 results (Transformer-XL's 12 layers, 41M "
+                         "parameters: 1.06 on the full data); the same command without --data-path runs the study "
+                         "on the full enwik8 with the budget scaled to it.")
+        windows = split_sizes(p.train_bytes * 100 // 90)[2] // p.window  # the data's size from its train split's
+        if p.test_windows:
+            windows = min(windows, p.test_windows)
+        lines.append(f"- The same-target curves score the last {p.targets:,} bytes of each {p.window:,}-byte test "
+                     f"window: {windows} window(s) here, {windows * p.targets:,} target bytes per run.")
+        return lines
 
     # ------------------------------------------------------------------ tables
 
-    def tables(self) -> list[str]:
+    def rate_table(self) -> list[str]:
         p = self.p
-        out = []
-        sweep = [r for r in self.results if r["phase"] == "sweep"]
-        if sweep:
-            lrs = chosen_lrs(self.results, p.variants, p.lrs)
-            out += ["## Learning rate, chosen per attention", "",
-                    f"Each variant at context {p.sweep_seq_len:,}, seed {p.seeds[0]}, {p.sweep_steps} steps; "
-                    "final val bpc per peak learning rate (the grid takes the rate with the lowest).", "",
-                    "| variant | " + " | ".join(f"lr {lr:g}" for lr in p.lrs) + " | chosen |",
-                    "| --- |" + " ---: |" * (len(p.lrs) + 1)]
-            for v in p.variants:
-                cells = []
-                for lr in p.lrs:
-                    r = next((r for r in sweep if r["variant"] == v and r["lr"] == lr), None)
-                    cells.append("–" if r is None else f"{r['val_bpc']:.3f}" if r["status"] == "ok" else r["status"])
-                out.append(f"| {VARIANTS[v].label} | " + " | ".join(cells) + f" | {lrs.get(v, '–')} |")
-            ties = [tie for v in p.variants if (tie := self.sweep_tie(v, sweep))]
-            if ties:
-                out += ["", "Chosen by less than the spread of the grid's seeds at this context, so at this budget "
-                        "the rates tie and the choice is the sweep's seed's: " + "; ".join(ties) + "."]
-            out.append("")
-        out += ["## Final bpc per attention and context", "",
-                f"Mean ± std over seeds {', '.join(map(str, p.seeds))}; val and test over the whole split; train: the "
-                "last 5% of steps; gap = val - train (a large one would mean memorising the data).", "",
-                "| variant | context | seeds | val bpc | test bpc | train bpc | gap | tokens/s | peak GiB |",
-                "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        if len(p.lrs) == 1:
+            return [f"Every run at peak rate {p.lrs[0]:g} (no sweep).", ""]
+        scores, chosen, pending = sweep_scores(p, self.results), chosen_rates(p, self.results), next_rates(p, self.results)
+        rates = sorted({lr for tried in scores.values() for lr in tried} | set(p.lrs))
+        out = [f"Seed {p.sweep_seed} (not a grid seed), the whole budget; best val bpc per peak rate. A best rate at "
+               "the edge of those tried adds the next one beyond it; **edge** marks a choice still there.", "",
+               "| variant | short_conv | context | " + " | ".join(f"{lr:g}" for lr in rates) + " | chosen |",
+               "| --- | ---: | ---: |" + " ---: |" * (len(rates) + 1)]
         for v in p.variants:
-            for t in p.seq_lens:
-                runs = self.grid.get((v, t), [])
-                gap = [r["val_bpc"] - r["train_bpc"] for r in runs]
-                tps, mem = spread(self.cell(v, t, "tokens_per_s"))[0], spread(self.cell(v, t, "peak_mem_gib"))[0]
-                out.append(f"| {VARIANTS[v].label} | {t:,} | {len(runs)} | {pm(self.cell(v, t, 'val_bpc'))} | "
-                           f"{pm(self.cell(v, t, 'test_bpc'))} | {pm(self.cell(v, t, 'train_bpc'))} | {pm(gap)} | "
-                           + ("–" if math.isnan(tps) else f"{tps:,.0f}") + " | "
-                           + ("–" if math.isnan(mem) else f"{mem:.2f}") + " |")
-        out += ["", "## At twice the trained context", "",
-                "Each grid run's checkpoint scored on the val split with windows twice its training context "
-                "(`scripts/evaluate.py`); ratio = that bpc over the bpc at the trained context "
-                f"(holds <= {HOLDS}, degrades <= {DEGRADES}, breaks above).", "",
-                "| variant | trained context | val bpc at context | at twice it | ratio |",
-                "| --- | ---: | ---: | ---: | ---: |"]
+            for c in p.convs:
+                for t in p.swept_seq_lens:
+                    tried = scores.get((v, c, t), {})
+                    pick = chosen.get((v, c, t))
+                    edge = pick is not None and len(tried) > 1 and pick in (min(tried), max(tried))
+                    note = "–" if pick is None else f"{pick:g}" + (" **edge**" if edge else "")
+                    if (v, c, t) in pending:
+                        note += " (extending)"
+                    out.append(f"| {label(v)} | {c} | {t:,} | " + " | ".join(fmt(tried.get(lr)) for lr in rates)
+                               + f" | {note} |")
+        return out + ["", "A context between the swept ones takes the rate of the nearer (log scale).", ""]
+
+    def main_table(self) -> list[str]:
+        p = self.p
+        speed = speeds(p, self.results)
+        out = ["Mean [95% t interval] over seeds. test: the best-val checkpoint on the test split in windows of the "
+               "trained context; sliding: every test byte once with at least 3/4 of the context before it (the "
+               "literature's evaluation); best val: the lowest periodic val bpc; final val and train: the end of "
+               "the run (train over its last 5% of steps). tokens/s: the throughput phase (one GPU alone, "
+               "compiled).", "",
+               "| variant | short_conv | context | seeds | test bpc | sliding test bpc | best val | final val | train | "
+               "tokens/s |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for v in p.variants:
-            for t in p.seq_lens:
-                runs = [r for r in self.grid.get((v, t), []) if "extrapolation" in r]
-                ratio = self.extrapolation_ratio(v, t)
-                out.append(f"| {VARIANTS[v].label} | {t:,} | {pm([r['val_bpc'] for r in runs])} | "
-                           f"{pm([r['extrapolation']['bpc'] for r in runs])} | "
-                           + ("–" if ratio is None else f"{ratio:.2f}") + " |")
-        if self.p.recall_seq_lens:
-            out += ["", "## Associative recall", "",
-                    f"Multi-query associative recall (`--task recall`, `{p.recall_config}`): accuracy on the queried "
-                    f"values of the test sequences after {p.recall_steps} steps, mean ± std over seeds, and how many "
-                    f"seeds learned the task (accuracy >= {SOLVED}; chance is 1/128). Learning it tends to come "
-                    "suddenly, at a step that varies with the seed, so the count says more than the mean.", "",
-                    "| variant | " + " | ".join(f"T {t:,}, {n} pairs" for t in p.recall_seq_lens
-                                             for n in p.recall_pairs) + " |",
-                    "| --- |" + " ---: |" * (len(p.recall_seq_lens) * len(p.recall_pairs))]
-            for v in p.variants:
-                cells = []
-                for t in p.recall_seq_lens:
-                    for n in p.recall_pairs:
-                        acc = self.recall.get((v, t, n), [])
-                        cells.append("–" if not acc else
-                                     f"{pm(acc)}, {sum(a >= SOLVED for a in acc)}/{len(acc)} learned")
-                out.append(f"| {VARIANTS[v].label} | " + " | ".join(cells) + " |")
-        return out
+            for c in p.convs:
+                for t in p.seq_lens:
+                    runs = self.runs(v, c, t)
+                    sliding = [(r.get("evaluation") or {}).get("sliding", {}).get("bpc") for r in runs]
+                    out.append(f"| {label(v)} | {c} | {t:,} | {len(runs)} | {ci([metric(r) for r in runs])} | "
+                               f"{ci(sliding)} | {ci([r['best_val_bpc'] for r in runs])} | "
+                               f"{ci([r['val_bpc'] for r in runs])} | {ci([r['train_bpc'] for r in runs])} | "
+                               f"{fmt(speed.get((v, c, t)), ',.0f')} |")
+        return out + [""]
+
+    def test_table(self) -> list[str]:
+        out = ["Test bpc of b - a, paired over the seeds both have; p: the paired t-test; Holm: adjusted over all "
+               f"{len(self.tests)} comparisons. A difference is worded above only where Holm p < {ALPHA} and the "
+               "interval excludes 0.", "", "| comparison (b - a) | n | difference [95%] | p | Holm p |",
+               "| --- | ---: | ---: | ---: | ---: |"]
+        for t in self.tests:
+            d = t["diff"]
+            out.append(f"| {t['what']} | {d.n} | {fmt(d.mean, '+.3f')} [{fmt(d.low, '+.3f')}, {fmt(d.high, '+.3f')}] "
+                       f"| {fmt(d.p, '.3g')} | {fmt(t['holm'], '.3g')} |")
+        return out + [""]
+
+    def context_table(self) -> list[str]:
+        p = self.p
+        out = [f"The same {p.targets:,} target bytes of each {p.window:,}-byte test window, scored with the context "
+               "cut to each length (each byte sees between 3/4 of the cut and the cut), from the best-val "
+               "checkpoint; mean over seeds, and in brackets the difference from the shortest cut with its 95% "
+               "paired bootstrap band (seeds, then 64-byte blocks). Cuts past the trained context are the unseen "
+               "part (RoPE extends).", ""]
+        cuts = list(p.cuts_for(max(p.seq_lens)))
+        out += ["| variant | short_conv | trained at | " + " | ".join(f"{c:,}" for c in cuts) + " |",
+                "| --- | ---: | ---: |" + " --- |" * len(cuts)]
+        for v in p.variants:
+            for c in p.convs:
+                for t in p.seq_lens:
+                    base = min(p.cuts_for(t))
+                    cells = []
+                    for cut in cuts:
+                        s = self.same_target(v, c, t, cut, base) if cut in p.cuts_for(t) else None
+                        cells.append("–" if s is None else f"{s[0]:.3f}" if cut == base else
+                                     f"{s[0]:.3f} ({s[1]:+.3f} [{s[2]:+.3f}, {s[3]:+.3f}])")
+                    out.append(f"| {label(v)} | {c} | {t:,} | " + " | ".join(cells) + " |")
+        return out + [""]
+
+    def compute_table(self) -> list[str]:
+        p = self.p
+        runs = defaultdict(list)
+        for r in self.results:
+            if r["phase"] == "compute" and r["status"] == "ok":
+                runs[r["variant"], r["conv"], r["seq_len"]].append(r)
+        if not runs:
+            return []
+        out = ["## Equal compute", "",
+               f"Each attention's steps scaled by its tokens/s over {label(p.reference)}'s at that context (the "
+               f"throughput phase), so every run trains as long as {label(p.reference)}'s equal-token run; the "
+               f"difference is paired with {label(p.reference)}'s grid runs of the same seeds.", "",
+               "| variant | short_conv | context | steps | test bpc | difference from reference [95%] |",
+               "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for (v, c, t), rs in sorted(runs.items(), key=lambda kv: (p.variants.index(kv[0][0]), kv[0][1], kv[0][2])):
+            diff = paired(cell_values(self.results, p.reference, c, t), {r["seed"]: metric(r) for r in rs})
+            out.append(f"| {label(v)} | {c} | {t:,} | {rs[0]['steps']} | {ci([metric(r) for r in rs])} | "
+                       f"{fmt_interval(diff)} |")
+        return out + [""]
+
+    def concentration_table(self) -> list[str]:
+        p = self.p
+        rows = []
+        for v in p.variants:
+            for c in p.convs:
+                for t in p.seq_lens:
+                    stats = [r["attention"] for r in self.runs(v, c, t) if "attention" in r]
+                    if stats:
+                        mean = {k: statistics.fmean(s[k] for s in stats) for k in stats[0] if not isinstance(stats[0][k], list)}
+                        rows.append(f"| {label(v)} | {c} | {t:,} | "
+                                    + " | ".join(fmt(mean.get(k)) for k in CONCENTRATION) + " |")
+        if not rows:
+            return []
+        return ["## How concentrated each attention's weights are", "",
+                "At the final evaluation, over the last queries of a val window (model/diagnostics.py): each head's "
+                "largest weight in a row and its weights' entropy (nats), averaged over queries, then over heads and "
+                "layers (and seeds); uniform: the entropy of equal weights on every visible key.", "",
+                "| variant | short_conv | context | " + " | ".join(CONCENTRATION.values()) + " |",
+                "| --- | ---: | ---: |" + " ---: |" * len(CONCENTRATION), *rows, ""]
+
+    def recall_table(self) -> list[str]:
+        p = self.p
+        if not p.recall_cells:
+            return []
+        rates = recall_rates(p, self.results)
+        runs = defaultdict(list)
+        for r in self.results:
+            if r["phase"] == "recall" and r["status"] == "ok" and r["seed"] in p.seeds:
+                runs[r["variant"], r["seq_len"], r["pairs"]].append(r)
+        t0, n0 = p.recall_cells[0]
+        easiest = runs.get((p.reference, t0, n0), [])
+        failed = sorted(r["seed"] for r in easiest if r["test_accuracy"] < SOLVED)
+        valid = len(easiest) == len(p.seeds) and not failed
+        verdict = (f"{label(p.reference)} solved the easiest cell ({t0:,} bytes, {n0} pairs) in every seed: the probe "
+                   "can tell the attentions apart." if valid else
+                   f"**The probe is invalid**: {label(p.reference)} solved the easiest cell ({t0:,} bytes, {n0} pairs) "
+                   f"in {len(easiest) - len(failed)} of {len(easiest)} finished seeds (of {len(p.seeds)}), so a failure "
+                   "here does not tell the attentions apart.")
+        out = ["## Associative recall", "",
+               f"Multi-query associative recall (`--task recall`, `{p.recall_config}`), Zoology's protocol: each "
+               f"attention's rate the best of {', '.join(f'{lr:g}' for lr in p.recall_lrs)} on the easiest cell "
+               f"(seed {p.sweep_seed}); every run ends once its val accuracy reaches {p.stop_accuracy:g}, or at "
+               f"{p.recall_steps} steps. Cells: seeds that solved it (test accuracy >= {SOLVED}) of those run; "
+               "chance is 1/128.", "", verdict, "",
+               "| variant | rate | " + " | ".join(f"{t:,} bytes, {n} pairs" for t, n in p.recall_cells) + " |",
+               "| --- | ---: |" + " ---: |" * len(p.recall_cells)]
+        for v in p.variants:
+            cells = []
+            for t, n in p.recall_cells:
+                rs = runs.get((v, t, n), [])
+                cells.append("–" if not rs else f"{sum(r['test_accuracy'] >= SOLVED for r in rs)}/{len(rs)}")
+            out.append(f"| {label(v)} | {fmt(rates.get(v), 'g')} | " + " | ".join(cells) + " |")
+        return out + [""]
 
     # ------------------------------------------------------------------ plots
 
@@ -295,12 +351,9 @@ class Report:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        from matplotlib.ticker import FuncFormatter
-
         p, files = self.p, []
-        plain = FuncFormatter(lambda value, _: f"{value:,.0f}")
         colors = {v: f"C{i}" for i, v in enumerate(VARIANTS)}
-        budget = f"{p.steps} steps x {p.tokens_per_step:,} tokens, seeds {', '.join(map(str, p.seeds))}"
+        styles = {c: s for c, s in zip(p.convs, ("-", "--", ":", "-."))}
 
         def save(fig, name, title):
             fig.suptitle(title)
@@ -309,103 +362,64 @@ class Report:
             plt.close(fig)
             files.append(name)
 
-        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        fig, ax = plt.subplots(figsize=(7, 4.5))
         for v in p.variants:
-            stats = [(t, *spread(self.cell(v, t, "val_bpc"))) for t in p.seq_lens]
-            stats = [s for s in stats if s[3]]
-            if stats:
-                t, m, s, _ = zip(*stats)
-                ax.errorbar(t, m, yerr=s, color=colors[v], label=VARIANTS[v].label, marker="o", capsize=3)
+            for c in p.convs:
+                stats = [(t, *mean_interval([metric(r) for r in self.runs(v, c, t)])) for t in p.seq_lens
+                         if self.runs(v, c, t)]
+                if stats:
+                    t, m, lo, hi = zip(*stats)
+                    err = [[a - b if not math.isnan(b) else 0 for a, b in zip(m, lo)],
+                           [b - a if not math.isnan(b) else 0 for a, b in zip(m, hi)]]
+                    ax.errorbar(t, m, yerr=err, color=colors[v], linestyle=styles[c], marker="o", capsize=3,
+                                label=f"{label(v)}, conv {c}")
         ax.set_xscale("log", base=2)
         ax.set_xticks(p.seq_lens, [f"{t:,}" for t in p.seq_lens])
         ax.minorticks_off()
         ax.set_xlabel("training context (bytes)")
-        ax.set_ylabel("final val bpc (bits per byte; lower is better)")
+        ax.set_ylabel("test bpc, best-val checkpoint (lower is better)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        save(fig, "val_bpc_by_context.png", f"Val bpc against context length (mean ± std over seeds)\n{budget}")
+        if ax.has_data():
+            ax.legend(fontsize=7)
+        save(fig, "test_bpc_by_context.png", f"Test bpc against context (mean, 95% t interval over seeds)\n"
+                                             f"{p.epochs:g} epochs x {p.train_bytes:,} bytes per run")
 
-        fig, axes = plt.subplots(1, len(p.seq_lens), figsize=(4.6 * len(p.seq_lens), 4.3), sharey=True, squeeze=False)
-        for ax, t in zip(axes[0], p.seq_lens):
+        long = max(p.seq_lens)
+        fig, axes = plt.subplots(1, len(p.convs), figsize=(5.5 * len(p.convs), 4.3), sharey=True, squeeze=False)
+        for ax, c in zip(axes[0], p.convs):
             for v in p.variants:
-                curve = mean_curve(self.cell(v, t, "val_bpc_by_position"))
-                if curve:
-                    pos, m, s = zip(*curve)
-                    ax.plot(pos, m, color=colors[v], label=VARIANTS[v].label, marker=".")
-                    ax.fill_between(pos, [a - b for a, b in zip(m, s)], [a + b for a, b in zip(m, s)],
-                                    color=colors[v], alpha=0.2)
-            ax.set_xscale("log", base=2)
-            ax.xaxis.set_major_formatter(plain)
-            ax.set_title(f"trained and scored at {t:,} bytes")
-            ax.set_xlabel("position in the context (bytes; bucket end)")
-            ax.grid(alpha=0.3)
-        axes[0][0].set_ylabel("val bpc in the bucket (mean ± std over seeds)")
-        shared_legend(axes[0])
-        save(fig, "bpc_by_position.png", f"Val bpc by position in the context: does more context help?\n{budget}")
-
-        fig, axes = plt.subplots(1, len(p.variants), figsize=(4.6 * len(p.variants), 4.3), sharey=True, squeeze=False)
-        for ax, v in zip(axes[0], p.variants):
-            for i, t in enumerate(p.seq_lens):
-                runs = [r for r in self.grid.get((v, t), []) if "extrapolation" in r]
-                for key, style, what in (("val_bpc_by_position", "-", "trained context"),
-                                         ("extrapolation", "--", "twice it")):
-                    curves = [r[key] if key != "extrapolation" else r[key]["bpc_by_position"] for r in runs]
-                    curve = mean_curve(curves)
-                    if curve:
-                        pos, m, _ = zip(*curve)
-                        ax.plot(pos, m, style, color=f"C{i}", label=f"{t:,}: {what}")
-            ax.set_xscale("log", base=2)
-            ax.xaxis.set_major_formatter(plain)
-            ax.set_title(VARIANTS[v].label)
-            ax.set_xlabel("position in the context (bytes; bucket end)")
-            ax.grid(alpha=0.3)
-            if ax.has_data():
-                ax.legend(fontsize=7)
-        axes[0][0].set_ylabel("val bpc in the bucket (mean over seeds)")
-        save(fig, "extrapolation.png", "Scored at the trained context (solid) and at twice it (dashed)")
-
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4.3))
-        for v in p.variants:
-            for ax, key in zip(axes, ("tokens_per_s", "peak_mem_gib")):
-                pts = [(t, spread(self.cell(v, t, key))[0]) for t in p.seq_lens if self.grid.get((v, t))]
+                base = min(p.cuts_for(long))
+                pts = [(cut, s) for cut in p.cuts_for(long) if (s := self.same_target(v, c, long, cut, base))]
                 if pts:
-                    ax.plot(*zip(*pts), color=colors[v], label=VARIANTS[v].label, marker="o")
-        for ax, ylabel in zip(axes, ("training tokens/s (median step)", "peak memory (GiB, allocated)")):
+                    cut, s = zip(*pts)
+                    ax.plot(cut, [x[0] for x in s], color=colors[v], marker="o", label=label(v))
+                    ax.fill_between(cut, [s[0][0] + x[2] for x in s], [s[0][0] + x[3] for x in s], color=colors[v],
+                                    alpha=0.2)
+            ax.axvline(long, color="grey", linewidth=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("context cut (bytes); right of the line: unseen")
+            ax.set_title(f"short_conv {c}, trained at {long:,}")
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel("bpc of the same target bytes (band: 95% paired bootstrap)")
+        if axes[0][0].has_data():
+            axes[0][0].legend(fontsize=7)
+        save(fig, "same_target_context.png", "Does more context help on the same bytes?")
+
+        speed = speeds(p, self.results)
+        if speed:
+            fig, ax = plt.subplots(figsize=(6.5, 4.3))
+            for v in p.variants:
+                pts = [(t, speed[v, p.convs[-1], t]) for t in p.seq_lens if (v, p.convs[-1], t) in speed]
+                if pts:
+                    ax.plot(*zip(*pts), color=colors[v], marker="o", label=label(v))
             ax.set_xscale("log", base=2)
             ax.set_xticks(p.seq_lens, [f"{t:,}" for t in p.seq_lens])
             ax.minorticks_off()
             ax.set_xlabel("training context (bytes)")
-            ax.set_ylabel(ylabel)
+            ax.set_ylabel("training tokens/s")
             ax.grid(alpha=0.3)
-            if ax.has_data():
-                ax.legend(fontsize=8)
-        save(fig, "throughput_memory.png", f"Training throughput and memory ({p.tokens_per_step:,} tokens a step)")
-
-        if self.recall:
-            fig, axes = plt.subplots(1, len(p.recall_pairs), figsize=(5 * len(p.recall_pairs), 4.3), sharey=True,
-                                     squeeze=False)
-            for ax, n in zip(axes[0], p.recall_pairs):
-                for v in p.variants:
-                    lengths = [t for t in p.recall_seq_lens if (v, t, n) in self.recall]
-                    if not lengths:
-                        continue
-                    stats = [spread(self.recall[v, t, n]) for t in lengths]
-                    means, stds = [m for m, _, _ in stats], [sd for _, sd, _ in stats]
-                    ax.plot(lengths, means, color=colors[v], label=VARIANTS[v].label, marker="o")
-                    ax.fill_between(lengths, [m - sd for m, sd in zip(means, stds)],
-                                    [m + sd for m, sd in zip(means, stds)], color=colors[v], alpha=0.15)
-                    for t in lengths:  # each seed, since the mean of all-or-nothing runs hides them
-                        acc = self.recall[v, t, n]
-                        ax.scatter([t] * len(acc), acc, color=colors[v], s=12, alpha=0.5)
-                ax.set_xscale("log", base=2)
-                ax.set_title(f"{n} key-value pairs")
-                ax.set_xlabel("sequence length (bytes)")
-                ax.set_ylim(0, 1.02)
-                ax.grid(alpha=0.3)
-            axes[0][0].set_ylabel("recall accuracy on queried values (mean ± std; dots: seeds)")
-            shared_legend(axes[0])
-            save(fig, "recall.png", f"Associative recall accuracy ({p.recall_steps} steps, seeds "
-                                   f"{', '.join(map(str, p.seeds))})")
+            ax.legend(fontsize=7)
+            save(fig, "throughput.png", f"Training throughput ({p.tokens_per_step:,} tokens a step, compiled)")
         return files
 
     # ------------------------------------------------------------------ the document
@@ -413,39 +427,59 @@ class Report:
     def write(self, out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
         p = self.p
-        data = (f"`{p.data_path}` (a local copy; the first 4,154,064 bytes of enwik8 if it is the 4 MB prefix, split "
-                "90/5/5 proportionally)" if p.data_path else "enwik8 (the full 100 MB, downloaded and verified; "
-                "split 90M/5M/5M)")
+        data = (f"`{p.data_path}`: its train split is {p.train_bytes:,} bytes (90/5/5 split)" if p.data_path else
+                "enwik8, the full 100 MB, downloaded and verified (split 90M/5M/5M)")
+        pilot = ([f"**A pilot on a local copy of {p.train_bytes * 100 // 90:,} bytes**, not the full enwik8: the "
+                  "same `make compare` on a machine with internet runs it on the full file, with each run's budget "
+                  f"({p.epochs:g} epochs) scaled to its 90M train bytes.", ""] if p.data_path else [])
         missing = [j.name for j in self.jobs if not any(r["name"] == j.name and r["status"] == "ok" for r in self.results)]
         failed = [r for r in self.results if r["status"] != "ok"]
-        floor = [VARIANTS[v].label for v in p.variants
-                 if not (spread(self.cell(v, min(p.seq_lens), "val_bpc"))[0] < QUALITY_FLOOR_BPC)]
+        floor = [f"{label(v)} (short_conv {c})" for v in p.variants for c in p.convs
+                 if not (mean_interval([metric(r) for r in self.runs(v, c, min(p.seq_lens))])[0] < QUALITY_FLOOR_BPC)]
         lines = ["# Softmax, cosine-sim and fastmax attention as the context grows", "",
-                 f"Written by `{self.command}` on {self.hardware}.", "",
+                 f"Written by `{self.command}` on {self.hardware}.", "", *pilot,
                  f"- Data: {data}.",
-                 f"- Model: `{p.config}`, {self.params / 1e6:.2f}M parameters; every run {p.steps} steps of "
-                 f"{p.tokens_per_step:,} tokens (batch = tokens / context), warmup over the first tenth, cosine decay "
-                 "to a tenth of the peak rate; bf16 autocast on GPUs, fp32 on a CPU.",
-                 f"- Variants: {', '.join(f'`{v}` ({VARIANTS[v].label})' for v in p.variants)}; contexts "
-                 f"{', '.join(f'{t:,}' for t in p.seq_lens)} bytes; seeds {', '.join(map(str, p.seeds))}.",
+                 f"- Model: `{p.config}`, {self.params / 1e6:.2f}M parameters; every enwik8 run {p.epochs:g} epochs "
+                 f"= {p.steps} steps of {p.tokens_per_step:,} tokens (batch = tokens / context), warmup over the "
+                 f"first tenth, cosine decay to a tenth of the peak rate, {p.evals} evaluations, the best-val "
+                 "checkpoint kept; bf16 autocast on GPUs.",
+                 f"- Factors: attention ({', '.join(f'`{v}`' for v in p.variants)}) x short_conv "
+                 f"({', '.join(map(str, p.convs))}) x context ({', '.join(f'{t:,}' for t in p.seq_lens)} bytes) x "
+                 f"seeds ({', '.join(map(str, p.seeds))}, up to {p.max_seeds} where a difference is under 3 "
+                 "standard errors); a seed gives every attention the same data order and initial weights.",
                  f"- wandb group `{p.wandb_group}` (mode {p.wandb_mode}); every run's result.json is in results.json.",
                  ""]
         if floor:
-            lines += [f"**Quality floor not met:** {', '.join(floor)} did not reach val bpc < {QUALITY_FLOOR_BPC} at the "
-                      "shortest context: these models have not learned enough for their comparison to mean much.", ""]
+            lines += [f"**Quality floor not met:** {', '.join(floor)} did not reach test bpc < {QUALITY_FLOOR_BPC} at "
+                      "the shortest context: these models have not learned enough for their comparison to mean much.",
+                      ""]
         if missing:
-            lines += [f"**Incomplete:** {len(missing)} of {len(self.jobs)} runs have no result yet (a later "
-                      "`make compare` with the same options goes on): " + ", ".join(missing[:12])
-                      + (" ..." if len(missing) > 12 else ""), ""]
+            lines += [f"**Incomplete:** {len(missing)} of {len(self.jobs)} planned runs have no result yet (the same "
+                      "`make compare` goes on; later phases are planned from these): " + ", ".join(missing[:8])
+                      + (" ..." if len(missing) > 8 else ""), ""]
+        memo = self.memorising()
         lines += ["## What the data says", "", *self.conclusions(), "", "## What it does not show", "",
-                  *self.limits(), "", *self.tables(), ""]
+                  *self.limits(), "", "## Memorising", "",
+                  (f"{len(memo)} grid run(s) ended more than {MEMORISING_BPC} bpc above their best evaluation (they "
+                   "began to memorise the train split): " + ", ".join(f"`{r['name']}` ({r['best_val_bpc']:.3f} at "
+                   f"step {r['best_step']}, {r['val_bpc']:.3f} at the end)" for r in memo[:6])
+                   + ". Every comparison uses the best-val checkpoint." if memo else
+                   f"No grid run ended more than {MEMORISING_BPC} bpc above its best evaluation."), "",
+                  "## Learning rates", "", *self.rate_table(), "## Test bpc per attention, short_conv and context",
+                  "", *self.main_table(), "## Paired differences", "", *self.test_table(),
+                  "## Does each attention use its context?", "", *self.context_table(), *self.compute_table(),
+                  *self.concentration_table(), *self.recall_table()]
         for name in self.plots(out):
             lines += [f"![{name[:-4].replace('_', ' ')}]({name})", ""]
         if failed:
             lines += ["## Runs that did not finish", "", *[f"- `{r['name']}`: {r['status']}" for r in failed], ""]
         lines += ["## Commands", "", "```bash", self.command,
-                  *[" ".join(r["command"]) for r in self.results[:3]], "# ... one per run: results.json", "```", ""]
+                  *[" ".join(c) for r in self.results[:1] for c in r["commands"]], "# ... every run's: results.json",
+                  "```", ""]
         (out / "report.md").write_text("\n".join(lines))
         (out / "results.json").write_text(json.dumps({"command": self.command, "hardware": self.hardware,
-                                                      "protocol": {k: v for k, v in vars(p).items()},
-                                                      "runs": self.results}, indent=1) + "\n")
+                                                      "protocol": p.record(), "runs": self.results}, indent=1) + "\n")
+
+
+# The concentration diagnostics the report shows (the keys train.py logs as val/attn/<key>): key -> header.
+CONCENTRATION = {"max_weight": "largest weight", "entropy": "entropy", "entropy_uniform": "uniform"}

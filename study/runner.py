@@ -1,15 +1,16 @@
-"""Running the study's jobs: train.py runs on every GPU from a shared queue (in turn on a CPU), resumable.
+"""Running the study's jobs on every GPU from a shared queue (in turn on a CPU), resumable.
 
-A grid run has its GPU alone; sweep and recall runs, whose timings the report does not use, share each GPU
+A throughput job has its GPU alone; training runs, whose timings the report does not use, share each GPU
 ``per_device`` at a time (the study's small models leave most of one idle). Consecutive jobs of one kind
 run as one batch; the next batch starts when it is done.
 
-Each job is ``python train.py ...`` in a subprocess of its own, pinned to one GPU by CUDA_VISIBLE_DEVICES,
-with ``--resume auto``: a job a killed study left half done continues from its checkpoint. A job ends in
-its run folder's result.json: status "ok" with the summary of its metrics (and its evaluation at twice
-the context, for grid runs), or the reason it failed. A job whose result.json says ok is not run again; a
-failed or stopped one is. Past the deadline, running jobs get SIGTERM (train.py saves and exits) and no new
-ones start: a later call goes on from there.
+A job is one or more scripts run in turn (``python train.py ...``, then for grid runs
+``python scripts/evaluate.py ...`` on its best checkpoint), each in a subprocess of its own, pinned to one GPU
+by CUDA_VISIBLE_DEVICES; train.py runs with ``--resume auto``, so a job a killed study left half done continues
+from its checkpoint. A job ends in its run folder's result.json: status "ok" with the summary of what it
+measured, or the reason it failed. A job whose result.json says ok is not run again; a failed or stopped one
+is. Past the deadline, running jobs get SIGTERM (train.py saves and exits) and no new ones start: a later call
+goes on from there.
 """
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 STOP_GRACE_S = 60  # after SIGTERM, how long a run may take to save its checkpoint before it is killed
 
 
+def command_lines(job: Job) -> list[list[str]]:
+    """A job's commands as results record them: `python script args...` each."""
+    return [["python", *command] for command in job.commands]
+
+
 def result_path(run_dir: Path) -> Path:
     return run_dir / "result.json"
 
@@ -43,22 +49,31 @@ def read_result(run_dir: Path) -> dict | None:
 
 
 def summarize(run_dir: Path) -> dict:
-    """The numbers the report needs from a finished run's metrics.jsonl."""
+    """The numbers the report needs from a finished training run's metrics.jsonl: the final evaluations, the
+    best periodic val bpc and its step (the best-val checkpoint's, with --keep_best), the training bpc where the
+    run ended and at the best step, and the last evaluation's attention diagnostics."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/loss" in r]
     evals = [r for r in rows if "val/loss" in r]
     tests = [r for r in rows if "test/loss" in r]
     speeds = [r["perf/tokens_per_s"] for r in steps[1:] or steps]  # step 1 carries the warm-up
     tail = steps[-max(1, len(steps) // 20):]  # the last 5% of steps: the training loss where the run ended
+    best = min(evals, key=lambda e: e["val/loss"])  # the final evaluation scores the periodic windows too
+    near = [r for r in steps if r["step"] <= best["step"]][-max(1, len(steps) // 20):]
     summary = {"steps": steps[-1]["step"], "train_s": sum(r["perf/step_ms"] for r in steps) / 1000,
                "tokens_per_s": statistics.median(speeds), "peak_mem_gib": max(r["perf/peak_mem_gib"] for r in steps),
                "train_bpc": statistics.fmean(r["train/bpc"] for r in tail),
+               "train_bpc_at_best": statistics.fmean(r["train/bpc"] for r in near),
+               "best_val_bpc": best["val/bpc"], "best_step": best["step"],
                "val_curve": [[e["step"], e.get("val/bpc"), e.get("val/accuracy")] for e in evals]}
     final, test = evals[-1], tests[-1]
     for split, row in (("val", final), ("test", test)):
         for key in ("bpc", "bpc_by_position", "accuracy"):
             if f"{split}/{key}" in row:
                 summary[f"{split}_{key}"] = row[f"{split}/{key}"]
+    attention = {k[len("val/attn/"):]: v for k, v in final.items() if k.startswith("val/attn/")}
+    if attention:
+        summary["attention"] = attention
     return summary
 
 
@@ -83,10 +98,10 @@ class Runner:
         return [j for j in jobs if (read_result(self.run_dir(j)) or {}).get("status") != "ok"]
 
     def check_foreign(self, jobs: list[Job]) -> None:
-        """Raise StudyError when a job's folder holds a run of another command (another protocol under the
+        """Raise StudyError when a job's folder holds a run of other commands (another protocol under the
         same study name): resuming it, or taking its result, would mix two protocols in one report."""
         foreign = [j.name for j in jobs
-                   if (r := read_result(self.run_dir(j))) is not None and r["command"] != ["python", "train.py", *j.argv]]
+                   if (r := read_result(self.run_dir(j))) is not None and r["commands"] != command_lines(j)]
         if foreign:
             raise StudyError(f"{self.runs_dir} holds runs made with other settings ({', '.join(foreign[:3])}"
                              f"{' ...' if len(foreign) > 3 else ''}): give this study another --name, or remove them")
@@ -142,15 +157,14 @@ class Runner:
         run_dir.mkdir(parents=True, exist_ok=True)
         log_path = run_dir / "study.log"
         t0 = time.monotonic()
-        record = {"name": job.name, "phase": job.phase, "variant": job.variant, "seq_len": job.seq_len,
-                  "seed": job.seed, "lr": job.lr, "pairs": job.pairs, "command": ["python", "train.py", *job.argv]}
-        code, stopped = self._subprocess([sys.executable, str(ROOT / "train.py"), *job.argv], log_path, device)
-        if code == 0 and job.extrapolate:
-            eval_path = run_dir / "eval_2x.json"
-            command = [sys.executable, str(ROOT / "scripts" / "evaluate.py"), "--ckpt", str(run_dir / "ckpt.pt"),
-                       "--seq-len", str(2 * job.seq_len), "--out", str(eval_path), "--device", "auto"]
-            code, stopped = self._subprocess(command, log_path, device)
-            record["eval_command"] = ["python", "scripts/evaluate.py", *command[2:]]
+        record = {"name": job.name, "phase": job.phase, "variant": job.variant, "conv": job.conv,
+                  "seq_len": job.seq_len, "seed": job.seed, "lr": job.lr, "steps": job.steps, "pairs": job.pairs,
+                  "commands": command_lines(job)}
+        code, stopped = 0, False
+        for script, *argv in job.commands:
+            code, stopped = self._subprocess([sys.executable, str(ROOT / script), *argv], log_path, device)
+            if code != 0 or stopped:
+                break
         record["wall_s"] = time.monotonic() - t0
         if stopped:
             return {**record, "status": "stopped at the deadline (resumable)"}
@@ -159,7 +173,9 @@ class Runner:
             lines = [ln for ln in text.splitlines() if ln.strip() and "it/s" not in ln]
             reason = "out of memory" if "OutOfMemoryError" in text else (lines[-1] if lines else "no output")
             return {**record, "status": f"failed (exit {code}): {reason[:300]}"}
+        if job.phase == "throughput":
+            return {**record, "status": "ok", "throughput": json.loads((run_dir / "throughput.json").read_text())}
         summary = summarize(run_dir)
-        if job.extrapolate:
-            summary["extrapolation"] = json.loads((run_dir / "eval_2x.json").read_text())
+        if (run_dir / "evaluation.json").exists():
+            summary["evaluation"] = json.loads((run_dir / "evaluation.json").read_text())
         return {**record, "status": "ok", **summary}

@@ -1,0 +1,172 @@
+"""The study's phases in order, each decided from the results of those before it (study/jobs.py says what each
+phase is). run_study is what compare.py runs; the decisions are plain functions of the results, so tests
+drive them on made-up results.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from study.jobs import (MAX_EXTENSIONS, Job, Protocol, bracket, compute_jobs, grid_jobs, lr_table,
+                        recall_jobs, recall_sweep_jobs, sweep_jobs, throughput_jobs)
+from study.stats import paired
+
+
+def collect(runs_dir: Path, jobs: list[Job]) -> list[dict]:
+    """The results of these jobs found in runs_dir. Only those: a folder may hold runs of an earlier plan (another
+    rate before the sweep was extended, a calibration), which must not join a cell they do not belong to."""
+    names = {j.name for j in jobs}
+    return [r for path in sorted(runs_dir.glob("*/result.json")) if (r := json.loads(path.read_text()))["name"] in names]
+
+
+def ok(results: list[dict], phase: str) -> list[dict]:
+    return [r for r in results if r["phase"] == phase and r["status"] == "ok"]
+
+
+# ----------------------------------------------------------------------------- rates
+
+def sweep_scores(p: Protocol, results: list[dict]) -> dict:
+    """(variant, conv, swept seq_len) -> {rate: best val bpc} of the sweep's finished runs."""
+    scores = {}
+    for r in ok(results, "sweep"):
+        scores.setdefault((r["variant"], r["conv"], r["seq_len"]), {})[r["lr"]] = r["best_val_bpc"]
+    return scores
+
+
+def next_rates(p: Protocol, results: list[dict]) -> dict:
+    """(variant, conv, swept seq_len) -> the rates its sweep runs next: those run so far and one beyond the edge
+    where the best lies at it and fewer than MAX_EXTENSIONS rates were added; cells already bracketed (or out
+    of extensions) are left out."""
+    more = {}
+    for key, tried in sweep_scores(p, results).items():
+        if len(tried) < len(p.lrs):  # the cell's first rates have not all finished
+            continue
+        rate = bracket(tried)
+        if rate is not None and len(tried) < len(p.lrs) + MAX_EXTENSIONS:
+            more[key] = sorted(tried) + [rate]
+    return more
+
+
+def chosen_rates(p: Protocol, results: list[dict]) -> dict:
+    """(variant, conv, swept seq_len) -> the rate of the lowest best-val bpc, for every cell whose sweep is done
+    (the protocol's one rate when there is no sweep)."""
+    keys = [(v, c, t) for v in p.variants for c in p.convs for t in p.swept_seq_lens]
+    if len(p.lrs) == 1:
+        return {key: p.lrs[0] for key in keys}
+    scores = sweep_scores(p, results)
+    return {key: min(scores[key], key=scores[key].get) for key in keys
+            if len(scores.get(key, {})) >= len(p.lrs) and key not in next_rates(p, results)}
+
+
+# ----------------------------------------------------------------------------- comparisons and seeds
+
+def metric(r: dict) -> float | None:
+    """What the study compares: the test bpc of a run's best-val checkpoint at its trained context."""
+    return (r.get("evaluation") or {}).get("bpc")
+
+
+def cell_values(results: list[dict], variant: str, conv: int, seq_len: int) -> dict[int, float]:
+    """seed -> metric of the cell's finished grid (and added-seed) runs."""
+    return {r["seed"]: metric(r) for r in results
+            if r["phase"] in ("grid", "seeds") and r["status"] == "ok" and metric(r) is not None
+            and (r["variant"], r["conv"], r["seq_len"]) == (variant, conv, seq_len)}
+
+
+def comparisons(p: Protocol) -> list[tuple[str, tuple, tuple]]:
+    """The comparisons the report words, as (what, cell a, cell b), the difference being b - a: each attention
+    against the reference at every context and short_conv; the short convolution's effect per attention and
+    context; and the longest context against the shortest per attention and short_conv."""
+    out = []
+    short, long = min(p.seq_lens), max(p.seq_lens)
+    for c in p.convs:
+        for t in p.seq_lens:
+            out += [(f"{v} - {p.reference}, conv {c}, {t:,}", (p.reference, c, t), (v, c, t))
+                    for v in p.variants if v != p.reference]
+    if len(p.convs) > 1:
+        a, b = min(p.convs), max(p.convs)
+        out += [(f"{v}: conv {b} - conv {a}, {t:,}", (v, a, t), (v, b, t)) for v in p.variants for t in p.seq_lens]
+    if short != long:
+        out += [(f"{v}, conv {c}: {long:,} - {short:,}", (v, c, short), (v, c, long))
+                for v in p.variants for c in p.convs]
+    return out
+
+
+def cells_needing_seeds(p: Protocol, results: list[dict]) -> set[tuple]:
+    """The cells of every comparison whose paired difference is under 3 standard errors with fewer than
+    max_seeds seeds."""
+    need = set()
+    for _, a, b in comparisons(p):
+        diff = paired(cell_values(results, *a), cell_values(results, *b))
+        if diff.n < p.max_seeds and diff.under(3.0):
+            need |= {a, b}
+    return need
+
+
+def extra_seeds(p: Protocol) -> tuple[int, ...]:
+    """The seeds after the grid's, up to max_seeds in all."""
+    return tuple(range(max(p.seeds) + 1, max(p.seeds) + 1 + max(0, p.max_seeds - len(p.seeds))))
+
+
+# ----------------------------------------------------------------------------- speeds and recall
+
+def speeds(p: Protocol, results: list[dict]) -> dict:
+    """(variant, conv, seq_len) -> training tokens/s measured by the throughput phase (one short_conv measured:
+    the convolution costs the same under every attention, so its ratio holds for all)."""
+    out = {}
+    for r in ok(results, "throughput"):
+        for row in r["throughput"]["results"]:
+            if row["ok"]:
+                out.update({(row["variant"], c, row["seq_len"]): row["tokens_per_s"] for c in p.convs})
+    return out
+
+
+def recall_rates(p: Protocol, results: list[dict]) -> dict[str, float]:
+    """variant -> the recall rate of its sweep on the easiest cell: the highest test accuracy, then the fewest
+    steps to reach it (an early stop), for variants whose sweep is done."""
+    if not p.recall_cells:
+        return {}
+    t, pairs = p.recall_cells[0]
+    out = {}
+    for v in p.variants:
+        runs = [r for r in ok(results, "recall") if r["variant"] == v and r["seed"] == p.sweep_seed
+                and (r["seq_len"], r["pairs"]) == (t, pairs) and r["lr"] in p.recall_lrs]
+        if len({r["lr"] for r in runs}) == len(p.recall_lrs):
+            out[v] = min(runs, key=lambda r: (-r["test_accuracy"], r["steps"], r["lr"]))["lr"]
+    return out
+
+
+# ----------------------------------------------------------------------------- the study
+
+def run_study(p: Protocol, runner, out_dir: str) -> tuple[list[Job], bool]:
+    """Every phase in turn on runner (study.runner.Runner: run(jobs) -> all done), each from the results of the
+    last. Returns (every job planned, whether all finished); it stops at the first phase left unfinished (a time
+    limit): the same call later goes on from the results on disk."""
+    runs_dir = Path(out_dir)
+    planned: list[Job] = []
+
+    def run(jobs: list[Job]) -> bool:
+        planned.extend(j for j in jobs if j not in planned)
+        return runner.run(jobs)
+
+    def results() -> list[dict]:
+        return collect(runs_dir, planned)
+
+    if not run(sweep_jobs(p, out_dir)):
+        return planned, False
+    while more := next_rates(p, results()):
+        if not run(sweep_jobs(p, out_dir, more)):
+            return planned, False
+    lrs = lr_table(p, chosen_rates(p, results()))
+    if not run(grid_jobs(p, out_dir, lrs)):
+        return planned, False
+    need = cells_needing_seeds(p, results())
+    if need and not run(grid_jobs(p, out_dir, lrs, seeds=extra_seeds(p), cells=need)):
+        return planned, False
+    if p.compute:
+        if not run(throughput_jobs(p, out_dir)):
+            return planned, False
+        if not run(compute_jobs(p, out_dir, lrs, speeds(p, results()))):
+            return planned, False
+    if not run(recall_sweep_jobs(p, out_dir)):
+        return planned, False
+    return planned, run(recall_jobs(p, out_dir, recall_rates(p, results())))
