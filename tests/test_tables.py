@@ -111,8 +111,8 @@ def test_a_drifted_number_is_reported_then_regenerated(tree, capsys):
     (lambda t: t + "\n<!-- table:no-such-table -->\n<!-- /table -->\n", "unknown table 'no-such-table'"),
     (lambda t: t.replace("<!-- /table -->", "", 1), "has no"),
     (lambda t: t + "\n<!-- /table -->\n", "out of place"),
-    (lambda t: (lambda i: t[:i] + t[i:].replace("<!-- table:study -->", "", 1).replace("<!-- /table -->", "", 1))(
-        t.index("<!-- table:study -->")), "placed in no document"),
+    (lambda t: (lambda i: t[:i] + t[i:].replace("<!-- table:fastmax-causal -->", "", 1).replace("<!-- /table -->", "", 1))(
+        t.index("<!-- table:fastmax-causal -->")), "placed in no document"),
 ])
 def test_bad_markers_are_refused(tree, mangle, message, capsys):
     readme = tree / "README.md"
