@@ -379,7 +379,7 @@ class Report:
         ax.set_xlabel("training context (bytes)")
         ax.set_ylabel("test bpc, best-val checkpoint (lower is better)")
         ax.grid(alpha=0.3)
-        if ax.has_data():
+        if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
         save(fig, "test_bpc_by_context.png", f"Test bpc against context (mean, 95% t interval over seeds)\n"
                                              f"{p.epochs:g} epochs x {p.train_bytes:,} bytes per run")
@@ -401,7 +401,7 @@ class Report:
             ax.set_title(f"short_conv {c}, trained at {long:,}")
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel("bpc of the same target bytes (band: 95% paired bootstrap)")
-        if axes[0][0].has_data():
+        if axes[0][0].get_legend_handles_labels()[0]:  # the context line alone takes no legend
             axes[0][0].legend(fontsize=7)
         save(fig, "same_target_context.png", "Does more context help on the same bytes?")
 
