@@ -35,7 +35,10 @@ if [ -f "$STUDY_TGZ" ]; then
   say "carried in: $(ls "$RUNS/$NAME" | wc -l) runs"
 fi
 say "compare.py $*"
-python3 compare.py --runs-dir "$RUNS" --name "$NAME" --out "$OUT/report" --time-limit "${TIME_LIMIT:-420}" "$@" \
+# --wandb-mode offline: the lent machines reach no network, and the mode is part of every run's command, which
+# must be the same in every call for the runs carried in to count.
+python3 compare.py --runs-dir "$RUNS" --name "$NAME" --out "$OUT/report" --time-limit "${TIME_LIMIT:-420}" \
+  --wandb-mode offline "$@" \
   > "$OUT/compare.log" 2>&1
 code=$?
 tail -n 30 "$OUT/compare.log"
