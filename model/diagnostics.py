@@ -22,6 +22,7 @@ import torch
 
 from attention_cuda.reference import rotary_qkv, scale_rows
 from attention_cuda.score import ScorePolicy, cosine_policy, poly_policy
+from model.attention import layer_window
 
 # Bytes the weights of one chunk of (heads, queries, keys) may take: the chunk's logits, its weights and the
 # w log w of the entropy are three fp32 copies, and a fourth element's worth is left for the masks and softmax's
@@ -40,10 +41,10 @@ def softmax_policy(head_dim: int) -> ScorePolicy:
 def layer_policy(cfg, layer: int) -> tuple[ScorePolicy, int]:
     """(score policy, window) of block ``layer`` of a model of cfg: window 0 = causal over every earlier key.
 
-    With a ``swa_window`` > 0 in cfg (a sliding-window option: getattr, as configs without it have no field),
-    odd blocks run softmax over their last swa_window keys whatever cfg.attention is."""
-    window = getattr(cfg, "swa_window", 0) or 0
-    if window > 0 and layer % 2 == 1:
+    A block that model.attention.layer_window gives a window (the odd ones, with swa_window) runs softmax over
+    its last window keys whatever cfg.attention is."""
+    window = layer_window(cfg, layer)
+    if window:
         return softmax_policy(cfg.head_dim), window
     if cfg.attention == "softmax":
         return softmax_policy(cfg.head_dim), 0
