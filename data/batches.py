@@ -11,25 +11,32 @@ import numpy as np
 import torch
 
 
-def _check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+def check_int(name: str, value, least: int = 1) -> None:
+    """ValueError naming the argument unless value is an int >= least (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise ValueError(f"{name}: expected {'a positive int' if least == 1 else f'an int >= {least}'}, got {value!r}")
 
 
-def _check_split(data, seq_len) -> None:
+def check_split_array(data, name: str = "data") -> None:
+    """ValueError naming the argument unless data is one split: a 1-D uint8 numpy array."""
     if not isinstance(data, np.ndarray) or data.ndim != 1 or data.dtype != np.uint8:
         if isinstance(data, np.ndarray):
             described = f"{data.dtype} array of shape {data.shape}"
         else:
             described = type(data).__name__
-        raise ValueError(f"data: expected a 1-D uint8 numpy array (one split), got {described}")
-    _check_positive("seq_len", seq_len)
+        raise ValueError(f"{name}: expected a 1-D uint8 numpy array (one split), got {described}")
+
+
+def _check_split(data, seq_len) -> None:
+    check_split_array(data)
+    check_int("seq_len", seq_len)
     if seq_len + 1 > len(data):
         raise ValueError(f"seq_len={seq_len} needs windows of seq_len + 1 = {seq_len + 1:,} bytes, "
                          f"but the split has only {len(data):,} bytes")
 
 
-def _gather(data: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_windows(data: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets), each (len(starts), seq_len) int64: the windows data[start : start + seq_len + 1]."""
     windows = torch.from_numpy(data[starts[:, None] + np.arange(seq_len + 1)].astype(np.int64))
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
@@ -43,8 +50,8 @@ class SeededSampler:
     """
 
     def __init__(self, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
-        _check_positive("batch_size", batch_size)
-        _check_positive("world_size", world_size)
+        check_int("batch_size", batch_size)
+        check_int("world_size", world_size)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed: expected a non-negative int, got {seed!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -83,14 +90,14 @@ class RandomWindowSampler(SeededSampler):
     def _draw(self, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         # The last valid start leaves room for the final target: start + seq_len < len(data).
         starts = rng.integers(0, len(self.data) - self.seq_len, size=self.batch_size)
-        return _gather(self.data, starts, self.seq_len)
+        return gather_windows(self.data, starts, self.seq_len)
 
 
 def _eval_plan(data: np.ndarray, seq_len: int, max_windows: int | None) -> tuple[np.ndarray, np.ndarray]:
     """Window starts, and per window the first position it scores (earlier ones belong to another window)."""
     _check_split(data, seq_len)
     if max_windows is not None:
-        _check_positive("max_windows", max_windows)
+        check_int("max_windows", max_windows)
     n_targets = len(data) - 1
     n_full, tail = divmod(n_targets, seq_len)
     if max_windows is None or max_windows >= n_full + (tail > 0):
@@ -127,12 +134,12 @@ def eval_windows(data: np.ndarray, seq_len: int, batch_size: int,
     x, y: int64 (b, seq_len); score_mask: bool (b, seq_len).
     """
     starts, score_from = _eval_plan(data, seq_len, max_windows)
-    _check_positive("batch_size", batch_size)
+    check_int("batch_size", batch_size)
     return _eval_batches(data, starts, score_from, seq_len, batch_size)
 
 
 def _eval_batches(data, starts, score_from, seq_len, batch_size):
     positions = np.arange(seq_len)
     for i in range(0, len(starts), batch_size):
-        x, y = _gather(data, starts[i:i + batch_size], seq_len)
+        x, y = gather_windows(data, starts[i:i + batch_size], seq_len)
         yield x, y, torch.from_numpy(positions >= score_from[i:i + batch_size, None])

@@ -39,7 +39,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from data.batches import SeededSampler, _check_positive
+from data.batches import SeededSampler, check_int
 
 FILLER = 0
 KEY_BYTES = np.arange(1, 128)
@@ -63,7 +63,7 @@ class RecallTask:
         if self.queries is None:
             self.queries = self.pairs
         for name in ("seq_len", "pairs", "queries"):
-            _check_positive(name, getattr(self, name))
+            check_int(name, getattr(self, name))
         if self.pairs > len(KEY_BYTES):
             raise ValueError(f"pairs: expected at most {len(KEY_BYTES)} (the keys are distinct bytes "
                              f"{KEY_BYTES[0]}-{KEY_BYTES[-1]}), got {self.pairs}")
@@ -104,9 +104,9 @@ class RecallTask:
         of them when None or more); the last batch may be smaller."""
         if split not in EVAL_SPLITS:
             raise ValueError(f"split: expected one of {tuple(EVAL_SPLITS)}, got {split!r}")
-        _check_positive("batch_size", batch_size)
+        check_int("batch_size", batch_size)
         if max_sequences is not None:
-            _check_positive("max_sequences", max_sequences)
+            check_int("max_sequences", max_sequences)
         n = min(max_sequences or EVAL_SEQUENCES, EVAL_SEQUENCES)
         return self._eval_batches(EVAL_SPLITS[split], batch_size, n)
 

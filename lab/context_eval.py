@@ -21,19 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from data.batches import check_int, check_split_array, gather_windows
+
 TOKENS_PER_BATCH = 2**17
-
-
-def _check_int(name: str, value, low: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
-
-
-def _check_split(split) -> None:
-    if not isinstance(split, np.ndarray) or split.ndim != 1 or split.dtype != np.uint8:
-        raise ValueError("split: expected a 1-D uint8 numpy array (one split), got "
-                         + (f"{split.dtype} array of shape {split.shape}" if isinstance(split, np.ndarray)
-                            else type(split).__name__))
 
 
 def _check_model_reach(model, length: int, arg: str) -> None:
@@ -66,14 +56,14 @@ def check_same_target(cuts, targets: int, window: int, block: int | None = None)
     """ValueError naming the argument (cuts, targets, window or block) unless the layout is valid: every cut
     an int in [4, window - targets], s = min(targets, cut // 4) dividing targets, block (when given) dividing
     targets."""
-    _check_int("targets", targets)
-    _check_int("window", window)
+    check_int("targets", targets)
+    check_int("window", window)
     if block is not None:
-        _check_int("block", block)
+        check_int("block", block)
     if isinstance(cuts, (str, bytes)) or not hasattr(cuts, "__len__") or len(cuts) == 0:
         raise ValueError(f"cuts: expected a non-empty list of ints, got {cuts!r}")
     for c in cuts:
-        _check_int("cuts", c, low=4)
+        check_int("cuts", c, least=4)
     if len(set(cuts)) != len(cuts):
         raise ValueError(f"cuts: expected distinct values, got {list(cuts)}")
     if window <= targets:
@@ -115,11 +105,10 @@ def _forward_losses(model, split: np.ndarray, starts: np.ndarray, length: int, d
     """Yield (first, per-token loss (b, length) on the device) for batches of the windows
     split[start : start + length + 1], `first` the index into starts of the batch's first window."""
     batch = max(1, tokens_per_batch // length)
-    offsets = np.arange(length + 1)
     for i in range(0, len(starts), batch):
-        rows = torch.from_numpy(split[starts[i:i + batch, None] + offsets].astype(np.int64)).to(device)
+        x, y = gather_windows(split, starts[i:i + batch], length)
         with autocast:
-            _, loss = model(rows[:, :-1], rows[:, 1:], reduction="none")
+            _, loss = model(x.to(device), y.to(device), reduction="none")
         yield i, loss
 
 
@@ -128,11 +117,11 @@ def same_target_byte_losses(model, split: np.ndarray, cuts, targets: int, window
     """Per-byte losses in nats, float64 (len(cuts), windows, targets): byte t of long window i under cut k is
     the loss of target window_start + window - targets + t + 1, predicted from between 3c/4 and c bytes.
     See same_target_losses."""
-    _check_split(split)
+    check_split_array(split, "split")
     check_same_target(cuts, targets, window)
-    _check_int("tokens_per_batch", tokens_per_batch)
+    check_int("tokens_per_batch", tokens_per_batch)
     if max_windows is not None:
-        _check_int("max_windows", max_windows)
+        check_int("max_windows", max_windows)
     _check_model_reach(model, max(cuts), "cuts")
     n = _long_windows(split, window, max_windows)
     losses = np.empty((len(cuts), n, targets), dtype=np.float64)
@@ -185,12 +174,12 @@ def plan_sliding(n_targets: int, seq_len: int, stride: int,
     later one its last stride. Past the last whole window, one more ends at the split's end and scores only the
     targets not yet scored (fewer than stride). So every target is scored once, each after the first window's
     with at least seq_len - stride bytes of context. With max_windows, only the first max_windows windows."""
-    _check_int("seq_len", seq_len)
-    _check_int("stride", stride)
+    check_int("seq_len", seq_len)
+    check_int("stride", stride)
     if stride > seq_len:
         raise ValueError(f"stride: expected <= seq_len={seq_len} (a larger one skips bytes), got {stride}")
     if max_windows is not None:
-        _check_int("max_windows", max_windows)
+        check_int("max_windows", max_windows)
     if n_targets < seq_len:
         raise ValueError(f"seq_len: {seq_len:,} needs a split of seq_len + 1 = {seq_len + 1:,} bytes, the split has "
                          f"{n_targets + 1:,}")
@@ -214,8 +203,8 @@ def sliding_bpc(model, split: np.ndarray, seq_len: int, stride: int, device, aut
     seq_len - stride bytes of context. stride = seq_len is eval_windows' tiling (lab.steps.evaluate's loss).
 
     Returns {"seq_len", "stride", "windows", "bytes" (scored), "loss" (mean, nats), "bpc"}."""
-    _check_split(split)
-    _check_int("tokens_per_batch", tokens_per_batch)
+    check_split_array(split, "split")
+    check_int("tokens_per_batch", tokens_per_batch)
     starts, score_from = plan_sliding(len(split) - 1, seq_len, stride, max_windows)
     _check_model_reach(model, seq_len, "seq_len")
     positions = torch.arange(seq_len, device=device)
