@@ -77,6 +77,7 @@ EXIT_STOPPED = 130  # stopped early by SIGINT/SIGTERM, after saving a checkpoint
 EXIT_DIVERGED = 3  # stopped by a non-finite loss, gradient or weight; the last good checkpoint is kept
 EXIT_UNSAVED = 4  # a checkpoint could not be written (a full disk); the last good one is kept
 SAMPLE_PROMPT_BYTES = 64
+STATS_BYTES = 32768  # the longest window the attention's concentration is measured on at evaluation
 
 
 class StopOnSignal:
@@ -286,8 +287,9 @@ def run(cli: CommandLine, held: contextlib.ExitStack) -> int:
         return accuracy
 
     def attention_stats(split: str) -> dict:
-        """How concentrated each head's weights are on the split's first window (model/diagnostics.py)."""
-        x = torch.from_numpy(splits[split][:cfg.seq_len].astype(np.int64))[None].to(device)
+        """How concentrated each head's weights are on the split's first window (model/diagnostics.py), of at most
+        STATS_BYTES: rank 0 measures it alone, whole, also in a context-parallel run."""
+        x = torch.from_numpy(splits[split][:min(cfg.seq_len, STATS_BYTES)].astype(np.int64))[None].to(device)
         with autocast:
             stats = attention_concentration(model, x)
         return {**summarize(stats), "attn/max_weight_heads": stats["max_weight"], "attn/entropy_heads": stats["entropy"]}
