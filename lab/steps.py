@@ -220,7 +220,7 @@ def attention_problem(cfg: TrainConfig, device: torch.device, dtype: torch.dtype
 
 def attention_described(cfg: TrainConfig) -> str:
     """The model's attention and the code it runs on, in words."""
-    if cfg.attention == "softmax" or cfg.cosine_sdpa:
+    if cfg.on_sdpa:
         words = f"{cfg.attention} attention on SDPA ({cfg.sdpa_backend})"
     else:
         words = f"{cfg.attention} attention on " + ("our CUDA kernels" if cfg.use_cuda_kernel else "the PyTorch reference")
@@ -232,7 +232,7 @@ def memory_advice(cfg: TrainConfig) -> str:
     tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps
     tips = [f"a smaller --batch_size with a larger --grad_accum_steps (the same {tokens:,} tokens a step in more, "
             "smaller micro-steps)", "a shorter --seq-len"]
-    if cfg.attention != "softmax" and not cfg.cosine_sdpa and not cfg.use_cuda_kernel:
+    if not (cfg.on_sdpa or cfg.use_cuda_kernel):
         tips.insert(0, "--use-cuda-kernel (our kernels never hold the seq_len x seq_len scores)")
     return (f"the run asks for {tokens:,} tokens a step (batch_size {cfg.batch_size} x seq_len {cfg.seq_len:,} x "
             f"grad_accum_steps {cfg.grad_accum_steps}), {cfg.n_layer} layers of width {cfg.n_embd}, "
@@ -243,7 +243,7 @@ def scores_problem(cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -
     """Why the run cannot fit this GPU, found before any work, or None: the PyTorch reference's quadratic form
     holds each layer's (batch, heads, seq_len, seq_len) scores, and one such matrix alone larger than the free
     memory can never be held. (The test is a floor: a run that passes it may still run out.)"""
-    if device.type != "cuda" or cfg.attention == "softmax" or cfg.cosine_sdpa or cfg.use_cuda_kernel:
+    if device.type != "cuda" or cfg.on_sdpa or cfg.use_cuda_kernel:
         return None
     plan = attention_plan(cfg, device, dtype)
     if plan.form != "quadratic":

@@ -127,7 +127,7 @@ def kernel_backend(cfg) -> str:
 def attention_plan(cfg, device, dtype: torch.dtype):
     """The plan attention_cuda resolves for the model's attention on device, in dtype (the training
     dtype: autocast's); None for attention on SDPA."""
-    if cfg.attention == "softmax" or cfg.cosine_sdpa:
+    if cfg.on_sdpa:
         return None
     return plan(cfg.attention, device=device, dtype=dtype, head_dim=cfg.head_dim, keys=cfg.seq_len,
                 backend=kernel_backend(cfg),

@@ -91,7 +91,7 @@ class GPTConfig:
                              f"(RoPE rotates pairs), got {self.n_embd}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout: expected a probability in [0, 1), got {self.dropout}")
-        if self.use_cuda_kernel is None and (self.attention == "softmax" or self.cosine_sdpa):
+        if self.use_cuda_kernel is None and self.on_sdpa:
             self.use_cuda_kernel = False  # attention on SDPA: nothing for auto to choose
         if self.use_cuda_kernel and self.attention == "softmax":
             raise ValueError("use_cuda_kernel: softmax always runs on PyTorch's fused SDPA kernels; "
@@ -99,7 +99,7 @@ class GPTConfig:
         if self.cosine_sdpa and (self.attention != "cosine" or self.use_cuda_kernel):
             raise ValueError("cosine_sdpa: runs attention='cosine' on SDPA, so it takes neither another attention "
                              f"(got {self.attention!r}) nor use_cuda_kernel")
-        if self.sdpa_backend != "auto" and not (self.attention == "softmax" or self.cosine_sdpa):
+        if self.sdpa_backend != "auto" and not self.on_sdpa:
             raise ValueError(f"sdpa_backend: {self.sdpa_backend!r} applies to attention run on SDPA (softmax, or "
                              "cosine with cosine_sdpa)")
         if not self.cosine_scale > 0:
@@ -121,6 +121,11 @@ class GPTConfig:
                                         self.fastmax_temperature, self.fastmax_normalize, self.fastmax_lim)
             except ValueError as err:
                 raise ValueError(f"fastmax_*: {err}") from None
+
+    @property
+    def on_sdpa(self) -> bool:
+        """Whether the attention runs on PyTorch's SDPA (softmax, or cosine with cosine_sdpa), not attention_cuda."""
+        return self.attention == "softmax" or self.cosine_sdpa
 
     @property
     def head_dim(self) -> int:
