@@ -143,8 +143,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args = parser.parse_args(ours)
     args.variants = choice_list(parser, "--variants", args.variants, VARIANTS)
     require_positive(parser, args, ("epochs", "tokens_per_step", "evals", "eval_tokens", "recall_steps", "targets",
-                                    "test_windows",
-                                    "time_limit", "runs_per_gpu", "max_seeds"))
+                                    "test_windows", "time_limit", "runs_per_gpu", "max_seeds"))
     if args.max_seeds < len(args.seeds):
         parser.error(f"--max-seeds: expected at least the {len(args.seeds)} seeds of --seeds, got {args.max_seeds}")
     if args.sweep_seed in args.seeds:

@@ -3,6 +3,7 @@ train.py's flags after ``--``."""
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
@@ -69,5 +70,5 @@ index_list.__name__ = "comma-separated index"
 
 
 def fmt(value, spec: str) -> str:
-    """value formatted for a report's table, or a dash where there is none."""
-    return "–" if value is None else format(value, spec)
+    """value formatted for a report's table, or a dash where there is none (None, or a NaN: no measurement)."""
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from data.enwik8 import ENWIK8_SIZE, split_sizes
+from lab.cli import fmt
 from model.variants import VARIANTS
 from study.jobs import Protocol
 from study.phases import (cell_values, chosen_rates, comparisons, metric, next_rates, recall_rates, speeds,
@@ -33,10 +34,6 @@ ALPHA = 0.05
 
 def label(variant: str) -> str:
     return VARIANTS[variant].label
-
-
-def fmt(value, spec: str = ".3f") -> str:
-    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
 def ci(values: list[float], digits: int = 3) -> str:
@@ -212,7 +209,7 @@ class Report:
                     note = "–" if pick is None else f"{pick:g}" + (" **edge**" if edge else "")
                     if (v, c, t) in pending:
                         note += " (extending)"
-                    out.append(f"| {label(v)} | {c} | {t:,} | " + " | ".join(fmt(tried.get(lr)) for lr in rates)
+                    out.append(f"| {label(v)} | {c} | {t:,} | " + " | ".join(fmt(tried.get(lr), ".3f") for lr in rates)
                                + f" | {note} |")
         return out + ["", "A context between the swept ones takes the rate of the nearer (log scale).", ""]
 
@@ -300,7 +297,7 @@ class Report:
                     if stats:
                         mean = {k: statistics.fmean(s[k] for s in stats) for k in stats[0] if not isinstance(stats[0][k], list)}
                         rows.append(f"| {label(v)} | {c} | {t:,} | "
-                                    + " | ".join(fmt(mean.get(k)) for k in CONCENTRATION) + " |")
+                                    + " | ".join(fmt(mean.get(k), ".3f") for k in CONCENTRATION) + " |")
         if not rows:
             return []
         return ["## How concentrated each attention's weights are", "",
