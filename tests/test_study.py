@@ -384,6 +384,7 @@ def test_past_the_deadline_no_run_starts_and_the_report_says_what_is_missing(tmp
     assert compare.main(args) == 1
     md = (tmp_path / "runs" / "study" / "report" / "report.md").read_text()
     assert "**Incomplete:** 2 of 2 planned runs have no result yet" in md  # the sweep's: the grid waits for it
+    assert "Quality floor not met" not in md  # no grid run yet is not a run below the floor
     assert "so the report goes to" in capsys.readouterr().out  # not over the committed study
 
 
