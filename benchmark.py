@@ -128,16 +128,14 @@ def build_ours(case, keep, backend, form=None):
         import attention_cuda
     except Exception as e:
         raise NotRun(f"attention_cuda does not import ({type(e).__name__}: {e})") from None
-    common = dict(causal=case.causal, mask=keep, backend=backend)
-    if case.family == "cosine":
-        return partial(attention_cuda.cosine_sim_attention, scale=COSINE_SCALE, **common)
-    if case.family == "exp":
-        return partial(attention_cuda.exp_attention, scale=EXP_SCALE, **common)
     a0, a1, a2 = FASTMAX_COEFFS
-    if form is not None:
-        common["form"] = form
-    return partial(attention_cuda.fastmax_attention, p=2, a0=a0, a1=a1, a2=a2,
-                   temperature=case.dim_head**0.5, **common)
+    function, options = {
+        "cosine": (attention_cuda.cosine_sim_attention, dict(scale=COSINE_SCALE)),
+        "exp": (attention_cuda.exp_attention, dict(scale=EXP_SCALE)),
+        "fastmax": (attention_cuda.fastmax_attention, dict(p=2, a0=a0, a1=a1, a2=a2, temperature=case.dim_head**0.5,
+                                                            **({} if form is None else {"form": form}))),
+    }[case.family]
+    return partial(function, causal=case.causal, mask=keep, backend=backend, **options)
 
 
 def build_naive(case, keep):

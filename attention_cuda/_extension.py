@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from . import build
+from . import _ops, build
 
 HEAD_DIMS = build.HEAD_DIMS
 DTYPES = tuple(getattr(torch, d.torch) for d in build.DTYPES)
@@ -69,20 +69,19 @@ def _load() -> str | None:
     problems = []
     if prebuilt is not None:
         try:
-            torch.ops.load_library(prebuilt.origin)
+            _ops.load_library(prebuilt.origin)
         except OSError as e:
             problems.append(f"the prebuilt extension {prebuilt.origin} does not load ({e}); ")
-    if not hasattr(torch.ops.attn_cuda, "fwd"):
+    if not _ops.loaded():
         try:
             _jit_build()
         except Exception as e:  # noqa: BLE001 - any build failure becomes the reason, not a crash
             return (f"{''.join(problems)}the extension failed to build: {_first_error_line(e)}; for the full "
                     "log run `python -c 'import attention_cuda._extension as e; e._jit_build()'`, or install it "
                     "with `pip install --no-build-isolation -e .` on a machine with nvcc")
-    ops = torch.ops.attn_cuda
     for dt in DTYPES:
-        _head_dims[dt], _chunked[dt] = tuple(ops.head_dims(dt)), tuple(ops.chunked_head_dims(dt))
-        _image_bytes.update({(d, second): ops.chunked_image_bytes(d, second)
+        _head_dims[dt], _chunked[dt] = _ops.head_dims(dt), _ops.chunked_head_dims(dt)
+        _image_bytes.update({(d, second): _ops.chunked_image_bytes(d, second)
                              for d in _chunked[dt] for second in (False, True)})
     _register_fakes()
     return None

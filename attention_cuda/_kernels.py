@@ -8,8 +8,11 @@ accumulation): the same precision as a PyTorch fp32 matmul with ``allow_tf32=Tru
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from . import _ops
 from .reference import scale_rows, split_qkv
 from .score import ScorePolicy
 
@@ -24,8 +27,7 @@ def attention(q, k, v, mask, bias, causal: bool, policy: ScorePolicy, dtype: tor
     k, v = _zero_masked(k, v, mask)
     if bias is not None:
         bias = bias.to(dtype)
-    return _Attention.apply(q, k, v, mask, bias, causal, policy.kind, policy.scale, policy.qk_norm,
-                            policy.coef, policy.normalize_rows)
+    return _Attention.apply(q, k, v, mask, bias, causal, policy)
 
 
 def _zero_masked(k, v, mask):
@@ -40,21 +42,21 @@ def _zero_masked(k, v, mask):
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, bias, causal, kind, scale, qk_norm, coef, normalize):
-        out, stat, rq, rk, kn = torch.ops.attn_cuda.fwd(q, k, v, mask, bias, causal, kind, scale, qk_norm,
-                                                        coef, normalize)
+    def forward(ctx, q, k, v, mask, bias, causal, policy):
+        f = _ops.fwd(q, k, v, mask=mask, bias=bias, causal=causal, policy=policy)
         # Under the qk norm the kernels read the unit keys kn (k / |k| in k's dtype), the backward too.
-        ctx.save_for_backward(q, kn if qk_norm is not None else k, v, mask, bias, out, stat, rq, rk)
-        ctx.args = (causal, kind, scale, qk_norm, coef, normalize)
-        return out
+        ctx.save_for_backward(q, f.kn if policy.qk_norm is not None else k, v, mask, bias, f.out, f.stat.raw, f.rq,
+                              f.rk)
+        ctx.causal, ctx.stat = causal, f.stat._replace(raw=None)
+        return f.out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, mask, bias, out, stat, rq, rk = ctx.saved_tensors
         bias_grad = ctx.needs_input_grad[4]
-        dq, dk, dv, dbias = torch.ops.attn_cuda.bwd(dout, q, k, v, mask, bias, out, stat, rq, rk, *ctx.args,
-                                                    bias_grad)
-        return dq, dk, dv, None, dbias if bias_grad else None, *([None] * 6)
+        dq, dk, dv, dbias = _ops.bwd(dout, q, k, v, mask=mask, bias=bias, out=out, stat=ctx.stat._replace(raw=stat),
+                                     rq=rq, rk=rk, causal=ctx.causal, bias_grad=bias_grad)
+        return dq, dk, dv, None, dbias if bias_grad else None, None, None
 
 
 def rotary_qkv(qkv, cos, sin, heads: int, kv_heads: int):
@@ -67,14 +69,14 @@ def rotary_qkv(qkv, cos, sin, heads: int, kv_heads: int):
 class _RotaryQKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, cos, sin, heads, kv_heads):
-        q, k = torch.ops.attn_cuda.rope_split(qkv, cos, sin, heads, kv_heads)
+        q, k = _ops.rope_split(qkv, cos, sin, heads, kv_heads)
         ctx.save_for_backward(cos, sin)
         return q, k, split_qkv(qkv, heads, kv_heads)[2]
 
     @staticmethod
     def backward(ctx, dq, dk, dv):  # an unused output's gradient comes as zeros (materialize_grads)
         cos, sin = ctx.saved_tensors
-        return torch.ops.attn_cuda.rope_merge(dq, dk, dv, cos, sin), None, None, None, None
+        return _ops.rope_merge(dq, dk, dv, cos, sin), None, None, None, None
 
 
 def split_keys(q, k, v, mask, policy: ScorePolicy, dtype: torch.dtype, splits: int) -> torch.Tensor:
@@ -84,19 +86,15 @@ def split_keys(q, k, v, mask, policy: ScorePolicy, dtype: torch.dtype, splits: i
 
     For each batch row the parts of ``size`` keys are one call, folded into the batch as strided views
     (no copy), and the remainder another. A part's output is normalised by its own weight sum l_s; the
-    merge weighs it by l_s, which its stat gives as 1 / l_s (fixed shift: every part's weights are on one
-    scale, so they add as they are) or as m_s + log2 l_s (running max: rescaled to the largest). Rows
-    without normalisation (exp) simply add.
+    merge weighs it by l_s, its RowStat's sum (under a running max each row's sums over the largest part's).
+    Rows without normalisation (exp) simply add.
     """
-    ops = torch.ops.attn_cuda
     q, k, v = (t.to(dtype) for t in (q, k, v))
     k, v = _zero_masked(k, v, mask)
     b, h, i, d = q.shape
     j = k.shape[2]
     size = -(-j // (splits * 128)) * 128  # whole key tiles
     full = j // size
-    options = (False, policy.kind, policy.scale, policy.qk_norm, policy.coef, policy.normalize_rows)
-    log = ops.stat_is_log(*options[1:], False, dtype)
     rows = []
     for n in range(b):
         parts = [(full, k[n, :, :full * size].unflatten(1, (full, size)).transpose(0, 1),
@@ -105,20 +103,16 @@ def split_keys(q, k, v, mask, policy: ScorePolicy, dtype: torch.dtype, splits: i
         if full * size < j:
             parts.append((1, k[n:n + 1, :, full * size:], v[n:n + 1, :, full * size:],
                           None if mask is None else mask[n:n + 1, full * size:]))
-        outs, stats = zip(*(ops.fwd(q[n:n + 1].expand(count, h, i, d), kp, vp, mp, None, *options)[:2]
-                            for count, kp, vp, mp in parts))
-        out, stat = torch.cat(outs).float(), torch.cat(stats)[..., :i]
+        calls = [_ops.fwd(q[n:n + 1].expand(count, h, i, d), kp, vp, mask=mp, bias=None, causal=False, policy=policy)
+                 for count, kp, vp, mp in parts]
+        out = torch.cat([c.out for c in calls]).float()
         if not policy.normalize_rows:
             rows.append(out.sum(0))
             continue
-        # A part whose keys the mask hides all has l = 0: stat 1 / l = 0 under the fixed shift, inf (for
-        # log2 0 = -inf) under the running max; either way it weighs nothing.
-        # A row no part lets see a key is zeros, as the kernels give it.
-        if log:
-            stat = torch.where(torch.isinf(stat), float("-inf"), stat)
-            weight = torch.exp2(stat - stat.amax(0).clamp_min(torch.finfo(torch.float32).min))
-        else:
-            weight = torch.where(stat > 0, stat.reciprocal(), 0)
+        # A part whose keys the mask hides all has l = 0 and weighs nothing; a row no part lets see a key is
+        # zeros, as the kernels give it.
+        stat = calls[0].stat._replace(raw=torch.cat([c.stat.raw for c in calls]))
+        weight = stat.sums(stat.log2_sums().amax(0).clamp_min(torch.finfo(torch.float32).min))
         total = weight.sum(0)[..., None]
         rows.append(torch.where(total > 0, (out * weight[..., None]).sum(0) / total, 0))
     return torch.stack(rows).to(dtype)
@@ -134,7 +128,7 @@ def decode(q, k, v, mask, policy: ScorePolicy, dtype: torch.dtype) -> torch.Tens
     keys into as many parts as fill the GPU, one block each, and adds up the parts' sums.
     """
     q, k, v = (t.to(dtype) for t in (q, k, v))
-    return torch.ops.attn_cuda.decode(q, k, v, mask, policy.scale, policy.qk_norm, 0)
+    return _ops.decode(q, k, v, mask, policy)
 
 
 def linear_attention(q, k, v, mask, causal: bool, policy: ScorePolicy, dtype: torch.dtype, chunk: int,
@@ -162,7 +156,8 @@ def linear_attention(q, k, v, mask, causal: bool, policy: ScorePolicy, dtype: to
     # there are fewer (masked, so those queries see none).
     front = k.shape[2] - q.shape[2] if causal else 0
     mask = None if mask is None else mask.contiguous()
-    return _LinearAttention.apply(q, k, v, mask, causal, policy.coef, policy.scale,
+    # The kernels see rows normalised already: the diagonal blocks' policy has no qk norm.
+    return _LinearAttention.apply(q, k, v, mask, causal, dataclasses.replace(policy, qk_norm=None),
                                   max(front, 0), max(-front, 0), chunk, chunked, exchange)
 
 
@@ -194,15 +189,15 @@ class _LinearAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, causal, coefs, scale, shift_q, shift_k, chunk, chunked, exchange):
-        ops = torch.ops.attn_cuda
+    def forward(ctx, q, k, v, mask, causal, policy, shift_q, shift_k, chunk, chunked, exchange):
+        coefs, scale = policy.coef, policy.scale
         b, h, i, d = q.shape
         hkv, j = k.shape[1], k.shape[2]
         n_pad = -(-max(i + shift_q, j + shift_k) // chunk) * chunk
-        qc = ops.lin_rows(q, None, None, shift_q, n_pad, d + 16, chunk)
+        qc = _ops.lin_rows(q, None, None, shift_q, n_pad, d + 16, chunk)
         # Masked keys are zero rows in k too, not only in [v, 1]: the dk/dv moments read every key's
         # features, and a zero row reads nothing (dv = 0 there, as the mask says).
-        kc = ops.lin_rows(k, mask, None, shift_k, n_pad, d + 16, chunk)
+        kc = _ops.lin_rows(k, mask, None, shift_k, n_pad, d + 16, chunk)
         # The backward's dq and dk sum phi(k_s) (dO . v_s - dO . O) / l over keys, as the moments of [v, 1]
         # read against g = [dO, -dO . O] / l: two sums, each rounded (g and the moments enter the tensor
         # cores in fp16/bf16), that cancel down to the spread of v. Values with a common offset (real
@@ -212,7 +207,7 @@ class _LinearAttention(torch.autograd.Function):
         # backward can read their state again; the diagonal blocks keep v as given.
         mu = _value_mean(v, mask, exchange)
         mu_h = mu.repeat_interleave(h // hkv, dim=1).contiguous()
-        vs = ops.lin_rows(v, mask, mu, shift_k, n_pad, d + 16, chunk)
+        vs = _ops.lin_rows(v, mask, mu, shift_k, n_pad, d + 16, chunk)
         cr = [coefs[0], coefs[1] * scale, coefs[2] * scale * scale]  # the query side's, temperature included
         second, group = coefs[2] != 0, h // hkv
         state, seen = None, None
@@ -224,10 +219,11 @@ class _LinearAttention(torch.autograd.Function):
             incoming = exchange.states(*(_whole(state, kc, vs, 1, False, second, cr) if causal else state))
         vc, keep_c, diag = None, None, (None, None)
         if causal:
-            vc = ops.lin_rows(v, mask, None, shift_k, n_pad, d, chunk)
+            vc = _ops.lin_rows(v, mask, None, shift_k, n_pad, d, chunk)
             keep = torch.ones(b, j, dtype=torch.bool, device=q.device) if mask is None else mask
             keep_c = torch.nn.functional.pad(keep, (shift_k, n_pad - j - shift_k)).view(-1, chunk)
-            diag = ops.fwd(*_diagonal(qc, kc, vc), keep_c, None, True, "poly", scale, None, coefs, True)[:2]
+            f = _ops.fwd(*_diagonal(qc, kc, vc), mask=keep_c, bias=None, causal=True, policy=policy)
+            diag = (f.out, f.stat.raw)
         if exchange is not None:
             # The keys of the ranks these queries see, in every chunk's state: its read gives the whole row's y.
             seen = _summed_image(incoming.wait(), qc.dtype)
@@ -241,17 +237,17 @@ class _LinearAttention(torch.autograd.Function):
         if state is not None and state[0].numel() > 2 * rows_bytes:
             state = None
         ctx.seen = seen if state is None else None
-        out, inv_l = ops.lin_out(y, *diag, mu_h, shift_q, i, q.dtype)
+        out, inv_l = _ops.lin_out(y, *diag, mu_h, shift_q, i, q.dtype)
         ctx.save_for_backward(mask, qc, kc, vc, vs, keep_c, out, inv_l, mu_h, *(state or (None, None)))
-        ctx.args = (causal, coefs, scale, cr, shift_q, shift_k, j, chunked)
+        ctx.args = (causal, policy, cr, shift_q, shift_k, j, chunked)
         ctx.exchange = exchange
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        ops = torch.ops.attn_cuda
         mask, qc, kc, vc, vs, keep_c, out, inv_l, mu_h, *state = ctx.saved_tensors
-        causal, coefs, scale, cr, shift_q, shift_k, j, chunked = ctx.args
+        causal, policy, cr, shift_q, shift_k, j, chunked = ctx.args
+        coefs = policy.coef
         b, h, i, d = out.shape
         hkv, chunk = kc.shape[2], qc.shape[3]
         n_pad = qc.shape[1] * chunk
@@ -263,7 +259,7 @@ class _LinearAttention(torch.autograd.Function):
         # max (65504). The coefficients are applied later, in fp32.
         qmax = torch.linalg.vector_norm(qc[..., :d], float("inf"), dtype=torch.float32)
         cmax = qmax.clamp_min(1.0).reshape(1)
-        g, gscale = ops.lin_g(dout, out, inv_l, mu_h, cmax, shift_q)
+        g, gscale = _ops.lin_g(dout, out, inv_l, mu_h, cmax, shift_q)
         state = None if state[0] is None else tuple(state)
         if ctx.seen is not None:
             state = _folded(_state(kc, vs, 1, causal, False, second, cr), ctx.seen, kc.dtype)
@@ -281,10 +277,10 @@ class _LinearAttention(torch.autograd.Function):
         diag = (None, None, None)
         if causal:
             rows = (b * n_pad // chunk, h, chunk, d)
-            dout_c, out_c = (ops.lin_rows(x, None, None, shift_q, n_pad, d, chunk).view(rows) for x in (dout, out))
-            diag = ops.bwd(dout_c, *_diagonal(qc, kc, vc), keep_c, None, out_c, inv_l.view(rows[:3]),
-                           inv_l.new_empty(0), inv_l.new_empty(0), True, "poly", scale, None, coefs, True,
-                           False)[:3]
+            dout_c, out_c = (_ops.lin_rows(x, None, None, shift_q, n_pad, d, chunk).view(rows) for x in (dout, out))
+            stat = _ops.RowStat(inv_l.view(rows[:3]), chunk, policy, out.dtype)  # lin_out's 1 / l: a fixed shift
+            diag = _ops.bwd(dout_c, *_diagonal(qc, kc, vc), mask=keep_c, bias=None, out=out_c, stat=stat, causal=True,
+                           bias_grad=False)[:3]
             del dout_c, out_c  # freed before dk's image and reads: the backward's peak stays where it was
         if ctx.exchange is not None:
             # (image, scale, g's scale) of each rank whose queries saw these keys. Its g is over its own scale: read
@@ -294,9 +290,9 @@ class _LinearAttention(torch.autograd.Function):
                                      for image, image_scale, their_gscale in returned.wait()], kc.dtype)
             reverse = _folded(reverse, seen_by, kc.dtype)
         dv, dk = _moments(chunked, qc, g, kc, vs, group, 1, causal, True, second, cr, [1.0, 1.0, 1.0], d, reverse)[:2]
-        return (ops.lin_grad(dq, gscale, diag[0], shift_q, i, d, out.dtype),
-                ops.lin_grad(dk, gscale, diag[1], shift_k, j, d, out.dtype),
-                ops.lin_grad(dv, gscale, diag[2], shift_k, j, d, out.dtype), *([None] * 9))
+        return (_ops.lin_grad(dq, gscale, diag[0], shift_q, i, d, out.dtype),
+                _ops.lin_grad(dk, gscale, diag[1], shift_k, j, d, out.dtype),
+                _ops.lin_grad(dv, gscale, diag[2], shift_k, j, d, out.dtype), *([None] * 8))
 
 
 def _value_mean(v, mask, exchange=None):
@@ -328,20 +324,19 @@ def _moments(chunked, ux, uw, rx, rg, upd, rd, causal, reverse, second, cu, cr, 
     lin_state writes S per chunk, lin_read reads every chunk at once. Returns (R1, R2, state), state =
     (S's image, its scale) on the chunked kernels (None on the sweep): a later call with the same ux, uw
     and flags may pass it back rather than have it computed again."""
-    ops = torch.ops.attn_cuda
     if not chunked:
         r1_tiles = -(-r1_cols // 16)
-        return (*ops.linear(ux, uw, rx, rg, upd, rd, causal, reverse, second, cu, cr, r1_tiles, rg is not None), None)
+        return (*_ops.linear(ux, uw, rx, rg, upd, rd, causal, reverse, second, cu, cr, r1_tiles, rg is not None), None)
     if state is None:
         state = _state(ux, uw, upd, causal, reverse, second, [a * b for a, b in zip(cu, cr)])
-    return (*ops.lin_read(rx, rg, state[0], rd, second, r1_cols, state[1]), state)
+    return (*_ops.lin_read(rx, rg, state[0], rd, second, r1_cols, state[1]), state)
 
 
 def _state(ux, uw, upd, causal, reverse, second, coef):
     """(S's image, its scale) on the chunked kernels: the moments of phi(ux) uw^T as _moments describes them,
     coef both sides' coefficients multiplied."""
     scale = _image_scale(ux, uw, upd, coef)
-    return torch.ops.attn_cuda.lin_state(ux, uw, upd, causal, reverse, second, coef, scale), scale
+    return _ops.lin_state(ux, uw, upd, causal, reverse, second, coef, scale), scale
 
 
 def _image_max(dtype: torch.dtype) -> float | None:

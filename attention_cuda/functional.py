@@ -1,7 +1,7 @@
 """The public attention functions: validation, canonical shapes, then the plan (plan.py) and its execution.
 
-Layering (as FlashAttention does it): csrc kernels -> torch ops (_extension.py) -> autograd.Functions
-(_kernels.py) -> these functions. The references (reference.py) are plain differentiable PyTorch.
+Layering (as FlashAttention does it): csrc kernels -> torch ops (_ops.py, loaded by _extension.py) ->
+autograd.Functions (_kernels.py) -> these functions. The references (reference.py) are plain differentiable PyTorch.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from . import _extension, _kernels, reference
 from .plan import BACKENDS, Plan, Tuning, reference_reason, resolve, rope_kernels_reason
-from .score import ScorePolicy, cosine_policy, exp_policy, poly_policy
+from .score import ScorePolicy, cosine_policy, exp_policy, fastmax_policy
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -202,22 +202,21 @@ def fastmax_attention(q, k, v, *, causal=False, mask=None, p=2, a0=1.0, a1=1.0, 
     measured crossovers and chunk sizes (plan.TUNING).
     """
     call = _canonicalize(q, k, v, mask)
-    policy = poly_policy(p, a0, a1, a2, temperature, normalize, lim)
+    policy = fastmax_policy(p, a0, a1, a2, temperature, normalize, lim)
     plan = _plan(call, causal, policy, backend, form, dropout, tuning)
     return _run(plan, call, causal, policy, dropout)
 
 
 # Each family's public function and its policy constructor, whose parameters are the family's score options.
 FAMILIES = {"cosine": (cosine_sim_attention, cosine_policy), "exp": (exp_attention, exp_policy),
-            "fastmax": (fastmax_attention, poly_policy)}
+            "fastmax": (fastmax_attention, fastmax_policy)}
 
 
-def plan(family: str, *, device, dtype: torch.dtype, head_dim: int, keys: int, backend: str = "auto",
-         form: str = "quadratic", dropout: float = 0.0, tuning: Tuning | None = None, **options) -> Plan:
-    """The plan a call of the family's function ("cosine", "exp", "fastmax") would run, from the inputs'
-    device, dtype, head dim and key count, with its score options given by name (cosine: scale, l2norm_qk;
-    exp: scale; fastmax: p, a0, a1, a2, temperature, normalize, lim), each defaulting as in the function:
-    for FLOP counts, logs and probes. An option the family does not have raises ValueError."""
+def score_policy(family: str, **options) -> ScorePolicy:
+    """The score policy (how logits become weights) of a call of the family's function ("cosine", "exp",
+    "fastmax") with its score options given by name (cosine: scale, l2norm_qk; exp: scale; fastmax: p, a0, a1,
+    a2, temperature, normalize, lim), each defaulting as in the function; checked as the function checks them.
+    An option the family does not have raises ValueError."""
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {tuple(FAMILIES)}, got {family!r}")
     function, make_policy = FAMILIES[family]
@@ -228,9 +227,15 @@ def plan(family: str, *, device, dtype: torch.dtype, head_dim: int, keys: int, b
                          f"{', '.join(names)}")
     # The defaults are read from the function's signature, so that they are written once.
     defaults = inspect.signature(function).parameters
-    policy = make_policy(**{name: options.get(name, defaults[name].default) for name in names})
-    return resolve(device=torch.device(device), dtype=dtype, head_dim=head_dim, keys=keys, policy=policy,
-                   backend=backend, form=form, dropout=dropout, tuning=tuning)
+    return make_policy(**{name: options.get(name, defaults[name].default) for name in names})
+
+
+def plan(family: str, *, device, dtype: torch.dtype, head_dim: int, keys: int, backend: str = "auto",
+         form: str = "quadratic", dropout: float = 0.0, tuning: Tuning | None = None, **options) -> Plan:
+    """The plan a call of the family's function would run, from the inputs' device, dtype, head dim and key
+    count, with its score options as score_policy takes them: for FLOP counts, logs and probes."""
+    return resolve(device=torch.device(device), dtype=dtype, head_dim=head_dim, keys=keys,
+                   policy=score_policy(family, **options), backend=backend, form=form, dropout=dropout, tuning=tuning)
 
 
 def rotary_qkv(qkv, cos, sin, *, heads: int, kv_heads: int, backend="auto"):
@@ -275,13 +280,13 @@ def fastmax_moments(k, v, *, p=2, a0=1.0, a1=1.0, a2=0.5, temperature=1.0, norma
     if k.dim() != 4 or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"k, v: expected (B, Hkv, J, D) with the same B, Hkv and J, got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
-    return reference.moments(k, v, poly_policy(p, a0, a1, a2, temperature, normalize, lim))
+    return reference.moments(k, v, fastmax_policy(p, a0, a1, a2, temperature, normalize, lim))
 
 
 def fastmax_read(q, state, *, p=2, a0=1.0, a1=1.0, a2=0.5, temperature=1.0, normalize=False, lim=1.0):
     """fastmax_attention of q (B, H, T, D) over the keys whose moments state (fastmax_moments') holds, every
     query seeing every key, with the same options as made state."""
-    policy = poly_policy(p, a0, a1, a2, temperature, normalize, lim)
+    policy = fastmax_policy(p, a0, a1, a2, temperature, normalize, lim)
     features = reference._num_features(q.shape[-1], policy)
     if (q.dim() != 4 or state.dim() != 4 or state.shape[0] != q.shape[0] or q.shape[1] % state.shape[1]
             or state.shape[2:] != (features, q.shape[-1] + 1)):

@@ -6,7 +6,8 @@ choice. The measured choices come from one table, TUNING, each entry with the fi
 a caller that wants other values (a probe, a test) passes its own Tuning rather than patching globals.
 
 The layers, top down: functional.py (validation, canonical shapes, this plan) -> _kernels.py (the
-autograd Functions over the ops) -> _extension.py (loading the compiled ops) -> csrc/.
+autograd Functions over the ops) -> _ops.py (the compiled ops as typed functions) -> csrc/; _extension.py
+loads the compiled ops.
 """
 from __future__ import annotations
 
@@ -155,6 +156,17 @@ def chunked_path(dtype: torch.dtype, head_dim: int, tuning: Tuning) -> bool:
     return bool(tuning.chunked_rows) and head_dim in _extension.chunked_head_dims(run_dtype(dtype, True))
 
 
+def exchange_reason(dtype: torch.dtype, head_dim: int, tuning: Tuning) -> str | None:
+    """Why the kernels cannot run fastmax's linear form on one rank's slice of a sequence split over a context
+    group (attention_cuda.context_parallel), or None: the ranks trade the chunked kernels' state images."""
+    if chunked_path(dtype, head_dim, tuning):
+        return None
+    return (f"the ranks trade the chunked kernels' state images, which an sm_90a build runs on Hopper with "
+            f"tuning.chunked_rows > 0 (here at head dims {_extension.chunked_head_dims(run_dtype(dtype, True))}); "
+            f"here (head dim {head_dim}, chunked_rows {tuning.chunked_rows}) the linear form would run on the sweep, "
+            "whose state never leaves the kernel")
+
+
 def fastmax_features(head_dim: int, p: int) -> int:
     """F, the feature count of fastmax's linear form: 1 + D (+ D(D+1)/2 for p = 2). The quadratic form
     costs ~4·J·D per query and the linear one ~4·F·(D+1) per token, so linear needs fewer FLOPs once the
@@ -200,7 +212,7 @@ def decodes(policy: ScorePolicy) -> bool:
 def resolve(*, device: torch.device, dtype: torch.dtype, head_dim: int, keys: int, policy: ScorePolicy,
             backend: str = "auto", form: str = "quadratic", dropout: float = 0.0,
             tuning: Tuning | None = None, splittable: tuple[int, int] | None = None,
-            forward_only: bool = False) -> Plan:
+            forward_only: bool = False, exchange: bool = False) -> Plan:
     """The plan for a call on inputs of this device, dtype and head dim, with ``keys`` keys.
 
     backend="cuda" must run on the kernels or raise NotImplementedError saying why; "auto" takes them
@@ -209,23 +221,28 @@ def resolve(*, device: torch.device, dtype: torch.dtype, head_dim: int, keys: in
     ``splittable``: (batch x heads, query rows) of a call whose keys may be split (forward only, not
     causal, no bias); None: they may not. With one query row, cosine takes the decode kernel instead.
     ``forward_only``: no gradient will be asked of the call, so form="auto" takes the forward's crossover.
+    ``exchange``: the call is one rank's slice of a sequence split over a context group, whose ranks exchange
+    the linear form's state (form="linear"): on the kernels it needs the chunked path, whatever the key count.
     """
     tuning = tuning or TUNING
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if form not in FORMS:
         raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
-    if form != "quadratic" and policy.kind != "poly":
+    if form != "quadratic" and policy.kind != "fastmax":
         raise ValueError(f"form: the linear form is for the polynomial family, got {policy.kind!r}")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout: expected a probability in [0, 1), got {dropout}")
+    if exchange and form != "linear":
+        raise ValueError(f"form: the ranks exchange the linear form's state, expected 'linear', got {form!r}")
     if dropout > 0 and form == "linear":
         raise NotImplementedError("dropout: the linear form cannot drop individual weights; "
                                   "use form='quadratic' or dropout=0")
     why = []
     reason = reference_reason(backend, lambda: (
         "dropout: the kernels do not implement dropout (use dropout=0 or backend='torch')" if dropout > 0
-        else kernels_reason(device, dtype, head_dim) or (linear_kernels_reason(dtype) if form == "linear" else None)))
+        else kernels_reason(device, dtype, head_dim) or (linear_kernels_reason(dtype) if form == "linear" else None)
+        or (exchange_reason(dtype, head_dim, tuning) if exchange else None)))
     on_kernels = reason is None
     why.append(("our kernels",) if on_kernels else ("the PyTorch reference: ", reason))
 
@@ -244,7 +261,7 @@ def resolve(*, device: torch.device, dtype: torch.dtype, head_dim: int, keys: in
     if form == "linear" and on_kernels:
         chunked = chunked_path(dtype, head_dim, tuning)
         path, chunk = ("chunked", tuning.chunked_rows) if chunked else ("sweep", build.LINEAR_CHUNK)
-        if keys <= chunk:
+        if keys <= chunk and not exchange:
             # All keys fit in one chunk: the tiled kernel does the whole call as one block, at I*J*D, below
             # the moments' cost. It also matters for precision: with one visible key the exact dq, dk are 0
             # and dv is dO, which the tiled kernels hit exactly (P = 1); moments rounded to fp16/bf16 miss.

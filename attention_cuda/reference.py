@@ -121,9 +121,9 @@ def quadratic(q, k, v, mask, bias, causal: bool, policy: ScorePolicy, dropout: f
     if keep is not None:
         # Invisible logits are replaced before f, not only their weights after: a weight that overflows
         # there (exp(x), x^2) would meet their zero gradient in the backward, and 0 * inf is NaN.
-        # exp(-inf) = 0 drops them outright; poly's weights are zeroed below.
-        x = x.masked_fill(~keep, 0.0 if policy.kind == "poly" else float("-inf"))
-    if policy.kind == "poly":
+        # exp(-inf) = 0 drops them outright; fastmax's weights are zeroed below.
+        x = x.masked_fill(~keep, 0.0 if policy.kind == "fastmax" else float("-inf"))
+    if policy.kind == "fastmax":
         a = policy.a0 + x * (policy.a1 + policy.a2 * x)
         if keep is not None:
             a = a.masked_fill(~keep, 0.0)
@@ -345,9 +345,39 @@ def fastmax_linear(q, k, v, mask, causal: bool, policy: ScorePolicy, chunk: int 
     backward recomputes S chunk by chunk, so autograd keeps only O(N D) (see _FastmaxLinear).
     A key's features enter every later moment, so a non-finite one is kept out (_finite_inputs).
     """
-    if policy.kind != "poly":
+    if policy.kind != "fastmax":
         raise ValueError(f"policy: the linear form is for the polynomial family, got {policy.kind!r}")
     if chunk < 1:
         raise ValueError(f"chunk: expected a positive number of rows, got {chunk}")
     q, k, v, poisoned = _finite_inputs(q, k, v, mask, causal)
     return _mark_rows(_FastmaxLinear.apply(q, k, v, mask, causal, policy, chunk), poisoned)
+
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor, policy: ScorePolicy, *, start: int, key_start: int = 0,
+                      window: int = 0) -> torch.Tensor:
+    """The normalised causal weights (..., n, J) in fp32 of queries q (..., n, D) at positions start ..
+    start + n - 1 over keys k (..., J, D) at positions key_start .. key_start + J - 1 (the same heads: expand
+    grouped KV heads first). Query t sees the keys s <= t, and with a window > 0 only s > t - window; the
+    others get weight 0. Every query must see at least one of the given keys.
+
+    The policy's math as quadratic does it: q and k scaled to norm qk_norm when it is
+    set, x = scale q.k; "fastmax": f(x) = a0 + a1 x + a2 x^2 divided by its row sum; "cosine" (and
+    softmax, softmax_policy): softmax(x)."""
+    if policy.kind not in ("cosine", "fastmax") or not policy.normalize_rows:
+        raise ValueError(f"policy: expected a row-normalised cosine/softmax or fastmax policy, got {policy.kind!r}")
+    if window < 0:
+        raise ValueError(f"window: expected >= 0 (0 = none), got {window}")
+    with torch.autocast(q.device.type, enabled=False):
+        q, k = (scale_rows(x.float(), policy.qk_norm) for x in (q, k))
+        x = (q @ k.transpose(-1, -2)).mul_(policy.scale)
+        t = torch.arange(start, start + q.shape[-2], device=q.device)[:, None]
+        s = torch.arange(key_start, key_start + k.shape[-2], device=q.device)[None, :]
+        hidden = s > t
+        if window:
+            hidden |= s <= t - window
+        if policy.kind == "fastmax":
+            a = x.mul(policy.a2).add_(policy.a1).mul_(x).add_(policy.a0).masked_fill_(hidden, 0.0)
+            del x
+            total = a.sum(dim=-1, keepdim=True)  # f >= 0: a zero row sum means a row of zeros, left as such
+            return a.div_(torch.where(total > 0, total, 1.0))  # reference.safe_divide, in place
+        return torch.softmax(x.masked_fill_(hidden, float("-inf")), dim=-1)

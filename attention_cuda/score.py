@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("cosine", "exp", "poly")
+KINDS = ("cosine", "exp", "fastmax")
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class ScorePolicy:
 
     kind:        "cosine": A = exp(x - scale) (bounded by 1 when q, k are unit rows and there is no bias)
                  "exp":    A = exp(x), no division by l
-                 "poly":   A = a0 + a1 x + a2 x^2 (fastmax; a2 = 0 for p = 1)
+                 "fastmax": A = a0 + a1 x + a2 x^2 (a2 = 0 for p = 1)
     scale:       x = scale * (q . k) [+ bias]; q and k are first scaled to norm ``qk_norm`` when it is set.
     qk_norm:     None, or the norm each q and k row is scaled to before the dot product (cosine: 1,
                  fastmax ``normalize``: ``lim``). Zero rows stay zero (``x / max(|x|, eps)``).
@@ -50,12 +50,12 @@ class ScorePolicy:
         (unit rows: l2norm_qk, or the caller's promise without it), lim**2 / temperature for fastmax with
         normalize. Where nothing bounds the logits (fastmax without normalize, exp) it is the logit of
         |q.k| = 1, |scale|: a setting that overflows there overflows at any useful input. Both that
-        logit and the largest weight it gives (cosine: 1; exp: e^x; poly: |a0| + |a1| x + |a2| x^2,
+        logit and the largest weight it gives (cosine: 1; exp: e^x; fastmax: |a0| + |a1| x + |a2| x^2,
         which bounds |f| on [-x, x]) must be at most the dtype's max. attn_bias is the caller's.
         """
         limit = torch.finfo(dtype).max
         x = abs(self.scale) * (1.0 if self.qk_norm is None else self.qk_norm ** 2)
-        if self.kind == "poly":
+        if self.kind == "fastmax":
             weight = abs(self.a0) + abs(self.a1) * x + abs(self.a2) * x * x
             if x <= limit and weight <= limit:
                 return
@@ -109,14 +109,14 @@ def exp_policy(scale: float) -> ScorePolicy:
     return ScorePolicy("exp", real("scale", scale), normalize_rows=False)
 
 
-def poly_policy(p: int, a0: float, a1: float, a2: float, temperature: float,
+def fastmax_policy(p: int, a0: float, a1: float, a2: float, temperature: float,
                 normalize: bool, lim: float) -> ScorePolicy:
-    check_poly_coefficients(p, a0, a1, a2, temperature, normalize, lim)
-    return ScorePolicy("poly", 1.0 / temperature, float(lim) if normalize else None,
+    check_fastmax_coefficients(p, a0, a1, a2, temperature, normalize, lim)
+    return ScorePolicy("fastmax", 1.0 / temperature, float(lim) if normalize else None,
                        float(a0), float(a1), float(a2) if p == 2 else 0.0)
 
 
-def check_poly_coefficients(p, a0, a1, a2, temperature, normalize, lim):
+def check_fastmax_coefficients(p, a0, a1, a2, temperature, normalize, lim):
     """Reject fastmax settings whose weights could go negative (or are all zero) on reachable logits.
 
     Negative weights make ``l`` cross zero and the output blow up; we refuse them up front rather

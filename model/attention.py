@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention_cuda import cosine_sim_attention, fastmax_attention, fastmax_moments, fastmax_read, plan, rotary_qkv
-from attention_cuda.plan import fastmax_features
+from attention_cuda import (cosine_sim_attention, fastmax_attention, fastmax_features, fastmax_moments, fastmax_read,
+                            plan, rotary_qkv)
+from attention_cuda.context_parallel import cosine_ring_attention, fastmax_context_parallel
+from model.softmax_ring import softmax_context_parallel, softmax_mesh
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,16 +34,63 @@ def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor,
     return angles.cos().float(), angles.sin().float()
 
 
-FUNCTIONS = {"cosine": cosine_sim_attention, "fastmax": fastmax_attention}
 SDPA_NAMES = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
 
 
-def score_options(cfg) -> dict:
-    """The score options of cfg's family (cosine or fastmax), by attention_cuda's names."""
-    if cfg.attention == "cosine":
-        return dict(scale=cfg.cosine_scale, l2norm_qk=True)
+@dataclass(frozen=True)
+class Family:
+    """What differs between the model's attention families, one row each in FAMILIES."""
+
+    function: Callable | None  # attention_cuda's function; None: softmax, on SDPA
+    options: Callable  # cfg -> the score options of that function, by attention_cuda's names
+    cache: str  # a decode step reads "keys" (KVCache), "unit keys" (KVCache of unit rows) or fastmax's "moments"
+    # Across a context group (model.context_parallel): whether the slices take zigzag order, and (cfg, group,
+    # device) -> the attention over the group's slices, (q, k, v) -> out. Causal cosine and softmax are quadratic:
+    # in plain order the last rank's queries see every key, the first rank's only its own, so zigzag balances the
+    # ring (and is PyTorch's head-tail order, which its softmax ring takes). Fastmax is linear: each chunk reads
+    # one state and does its own band, the same work wherever it sits, and plain order sends one state per rank
+    # rather than two (and is the order its kernels take).
+    zigzag: bool
+    across_ranks: Callable
+
+
+def _softmax_across(cfg, group, device):
+    return functools.partial(softmax_context_parallel, mesh=softmax_mesh(group, device), backend=cfg.sdpa_backend)
+
+
+def _cosine_across(cfg, group, device):
+    return functools.partial(cosine_ring_attention, group=group, causal=True, scale=cfg.cosine_scale, zigzag=True,
+                             backend=kernel_backend(cfg))
+
+
+def _fastmax_options(cfg) -> dict:
     return dict(p=cfg.fastmax_p, a0=cfg.fastmax_a0, a1=cfg.fastmax_a1, a2=cfg.fastmax_a2,
                 temperature=cfg.fastmax_temperature, normalize=cfg.fastmax_normalize, lim=cfg.fastmax_lim)
+
+
+def _fastmax_across(cfg, group, device):
+    return functools.partial(fastmax_context_parallel, group=group, causal=True, zigzag=False,
+                             backend=kernel_backend(cfg), **_fastmax_options(cfg))
+
+
+FAMILIES = {
+    "softmax": Family(None, lambda cfg: {}, "keys", True, _softmax_across),
+    "cosine": Family(cosine_sim_attention, lambda cfg: dict(scale=cfg.cosine_scale, l2norm_qk=True), "unit keys",
+                     True, _cosine_across),
+    "fastmax": Family(fastmax_attention, _fastmax_options, "moments", False, _fastmax_across),
+}
+
+
+def family(cfg) -> Family:
+    """cfg.attention's row of FAMILIES, or ValueError naming the families there are."""
+    if cfg.attention not in FAMILIES:
+        raise ValueError(f"attention: expected one of {tuple(FAMILIES)}, got {cfg.attention!r}")
+    return FAMILIES[cfg.attention]
+
+
+def score_options(cfg) -> dict:
+    """The score options of cfg's family, by attention_cuda's names (none for softmax, on SDPA)."""
+    return family(cfg).options(cfg)
 
 
 def sdpa_attention(q, k, v, *, backend: str, causal: bool = True, scale: float | None = None,
@@ -113,7 +164,7 @@ def attention_fn(cfg, causal: bool = True, unit_rows: bool = False, window: int 
         return functools.partial(sdpa_attention, backend=cfg.sdpa_backend, causal=causal, scale=cfg.cosine_scale,
                                  normalize=not unit_rows)
     options = {**score_options(cfg), **({"l2norm_qk": False} if unit_rows else {})}
-    return functools.partial(FUNCTIONS[cfg.attention], causal=causal, backend=kernel_backend(cfg), **options)
+    return functools.partial(family(cfg).function, causal=causal, backend=kernel_backend(cfg), **options)
 
 
 def kernel_backend(cfg) -> str:
@@ -233,10 +284,11 @@ def decode_cache(cfg, window: int = 0):
     layer's: a ring of the last window positions' keys and values, read with plain softmax."""
     if window:
         return KVCache(window, attention_fn(cfg, causal=False, window=window))
-    if cfg.attention == "fastmax":
+    cache = family(cfg).cache
+    if cache == "moments":
         return MomentsCache(score_options(cfg))
-    cosine = cfg.attention == "cosine"
-    return KVCache(cfg.seq_len, attention_fn(cfg, causal=False, unit_rows=cosine), unit_rows=cosine)
+    unit_rows = cache == "unit keys"
+    return KVCache(cfg.seq_len, attention_fn(cfg, causal=False, unit_rows=unit_rows), unit_rows=unit_rows)
 
 
 class CausalSelfAttention(nn.Module):

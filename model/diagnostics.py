@@ -9,9 +9,8 @@ three families can be compared head by head; summarize flattens that into a few 
 The model's code is not touched: a forward hook on each block's ``attn.qkv`` takes the fused projection as
 the attention gets it, and the diagnostics rotate it with attention_cuda's reference RoPE (the same rows of
 the model's ``rope_cos`` / ``rope_sin`` tables that GPT.forward hands every block) and recompute the
-weights in fp32 from the score policy of the model's family (attention_cuda.score). The weights math is the
-reference's quadratic form (attention_cuda.reference.quadratic) written out to return the weights instead of
-weights @ v, and kept in step with it by tests/test_diagnostics.py.
+weights in fp32 from the score policy of the model's family (attention_cuda.score_policy) with
+attention_cuda.attention_weights, the reference's quadratic form written out to return the weights.
 """
 from __future__ import annotations
 
@@ -20,9 +19,8 @@ import math
 
 import torch
 
-from attention_cuda.reference import rotary_qkv, scale_rows
-from attention_cuda.score import ScorePolicy, cosine_policy, poly_policy
-from model.attention import layer_window
+from attention_cuda import ScorePolicy, attention_weights, rotary_qkv, score_policy
+from model.attention import layer_window, score_options
 
 # Bytes the weights of one chunk of (heads, queries, keys) may take: the chunk's logits, its weights and the
 # w log w of the entropy are three fp32 copies, and a fourth element's worth is left for the masks and softmax's
@@ -44,46 +42,10 @@ def layer_policy(cfg, layer: int) -> tuple[ScorePolicy, int]:
     A block that model.attention.layer_window gives a window (the odd ones, with swa_window) runs softmax over
     its last window keys whatever cfg.attention is."""
     window = layer_window(cfg, layer)
-    if window:
+    if window or cfg.attention == "softmax":
         return softmax_policy(cfg.head_dim), window
-    if cfg.attention == "softmax":
-        return softmax_policy(cfg.head_dim), 0
-    if cfg.attention == "cosine":  # cosine_sdpa too: the same function on SDPA
-        return cosine_policy(cfg.cosine_scale, True), 0
-    if cfg.attention == "fastmax":
-        return poly_policy(cfg.fastmax_p, cfg.fastmax_a0, cfg.fastmax_a1, cfg.fastmax_a2, cfg.fastmax_temperature,
-                           cfg.fastmax_normalize, cfg.fastmax_lim), 0
-    raise ValueError(f"attention: no weights for {cfg.attention!r}")
-
-
-def attention_weights(q: torch.Tensor, k: torch.Tensor, policy: ScorePolicy, *, start: int, key_start: int = 0,
-                      window: int = 0) -> torch.Tensor:
-    """The normalised causal weights (..., n, J) in fp32 of queries q (..., n, D) at positions start ..
-    start + n - 1 over keys k (..., J, D) at positions key_start .. key_start + J - 1 (the same heads: expand
-    grouped KV heads first). Query t sees the keys s <= t, and with a window > 0 only s > t - window; the
-    others get weight 0. Every query must see at least one of the given keys.
-
-    The policy's math as attention_cuda.reference.quadratic does it: q and k scaled to norm qk_norm when it is
-    set, x = scale q.k; "poly" (fastmax): f(x) = a0 + a1 x + a2 x^2 divided by its row sum; "cosine" (and
-    softmax, softmax_policy): softmax(x)."""
-    if policy.kind not in ("cosine", "poly") or not policy.normalize_rows:
-        raise ValueError(f"policy: expected a row-normalised cosine/softmax or poly policy, got {policy.kind!r}")
-    if window < 0:
-        raise ValueError(f"window: expected >= 0 (0 = none), got {window}")
-    with torch.autocast(q.device.type, enabled=False):
-        q, k = (scale_rows(x.float(), policy.qk_norm) for x in (q, k))
-        x = (q @ k.transpose(-1, -2)).mul_(policy.scale)
-        t = torch.arange(start, start + q.shape[-2], device=q.device)[:, None]
-        s = torch.arange(key_start, key_start + k.shape[-2], device=q.device)[None, :]
-        hidden = s > t
-        if window:
-            hidden |= s <= t - window
-        if policy.kind == "poly":
-            a = x.mul(policy.a2).add_(policy.a1).mul_(x).add_(policy.a0).masked_fill_(hidden, 0.0)
-            del x
-            total = a.sum(dim=-1, keepdim=True)  # f >= 0: a zero row sum means a row of zeros, left as such
-            return a.div_(torch.where(total > 0, total, 1.0))  # reference.safe_divide, in place
-        return torch.softmax(x.masked_fill_(hidden, float("-inf")), dim=-1)
+    # cosine_sdpa too: the same function on SDPA
+    return score_policy(cfg.attention, **score_options(cfg)), 0
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -109,7 +71,7 @@ def _rotated_qkv_hooks(gpt, t: int, on_qkv):
     def hook(layer):
         def fn(module, inputs, output):
             attn = gpt.blocks[layer].attn
-            q, k, v = rotary_qkv(output, cos, sin, attn.n_head, attn.n_kv_head)
+            q, k, v = rotary_qkv(output, cos, sin, heads=attn.n_head, kv_heads=attn.n_kv_head, backend="torch")
             on_qkv(layer, q, k, v)
         return fn
 

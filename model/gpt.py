@@ -16,12 +16,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention_cuda.score import check_poly_coefficients
-from model.attention import CausalSelfAttention, attention_flops_per_token, decode_cache, layer_window, rope_tables
+from attention_cuda import score_policy
+from model.attention import (FAMILIES, CausalSelfAttention, attention_flops_per_token, decode_cache, layer_window,
+                             rope_tables, score_options)
 from model.context_parallel import ContextParallel
 
 VOCAB_SIZE = 256  # bytes
-ATTENTIONS = ("softmax", "cosine", "fastmax")
+ATTENTIONS = tuple(FAMILIES)
 SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 
 
@@ -117,8 +118,7 @@ class GPTConfig:
             self.fastmax_temperature = math.sqrt(self.head_dim)
         if self.attention == "fastmax":
             try:
-                check_poly_coefficients(self.fastmax_p, self.fastmax_a0, self.fastmax_a1, self.fastmax_a2,
-                                        self.fastmax_temperature, self.fastmax_normalize, self.fastmax_lim)
+                score_policy("fastmax", **score_options(self))
             except ValueError as err:
                 raise ValueError(f"fastmax_*: {err}") from None
 

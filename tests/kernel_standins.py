@@ -185,7 +185,7 @@ def _block(q, k, v, mask, scale, coef):
 
 
 def fwd(q, k, v, mask, bias, causal, kind, scale, qk_norm, coef, normalize):
-    assert (bias, causal, kind, qk_norm, normalize) == (None, True, "poly", None, True), "the diagonal blocks' call"
+    assert (bias, causal, kind, qk_norm, normalize) == (None, True, "fastmax", None, True), "the diagonal blocks' call"
     num, l = _block(q.double(), k.double(), v.double(), mask, scale, coef)
     out = torch.where(l > 0, num / l, 0.0)
     stat = torch.where(l > 0, 1 / l, 0.0)[..., 0]
@@ -197,7 +197,7 @@ def fwd(q, k, v, mask, bias, causal, kind, scale, qk_norm, coef, normalize):
 def bwd(dout, q, k, v, mask, bias, out, stat, rq, rk, causal, kind, scale, qk_norm, coef, normalize, bias_grad):
     """A block's share of the gradients given the whole row's O and 1/l (stat): O = num / l sends dO / l to the
     block's num and -(dO . O) / l to its l."""
-    assert (bias, causal, kind, qk_norm, normalize, bias_grad) == (None, True, "poly", None, True, False)
+    assert (bias, causal, kind, qk_norm, normalize, bias_grad) == (None, True, "fastmax", None, True, False)
     inv = stat[..., :q.shape[2], None].double()
     dout = dout.double()
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]

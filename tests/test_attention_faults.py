@@ -13,7 +13,7 @@ import torch
 
 import attention_cuda
 from attention_cuda import _kernels, cosine_sim_attention, exp_attention, fastmax_attention, reference
-from attention_cuda.score import check_poly_coefficients, poly_policy
+from attention_cuda.score import check_fastmax_coefficients, fastmax_policy
 from test_cuda_linear import path, tuning_for  # noqa: F401 - path: the fixture naming which kernels carry the moments
 
 F64 = torch.float64
@@ -28,9 +28,9 @@ FAMILIES = {  # call(q, k, v, causal=..., mask=...) on the references
                                                             backend="torch", **kw),
     # Chunks of 2 rows: keys enter the carried moments, not only the quadratic diagonal band.
     "fastmax_linear": lambda q, k, v, causal=False, mask=None: reference.fastmax_linear(
-        q, k, v, mask, causal, poly_policy(2, 1.0, 1.0, 0.5, 2.0, False, 1.0), chunk=2),
+        q, k, v, mask, causal, fastmax_policy(2, 1.0, 1.0, 0.5, 2.0, False, 1.0), chunk=2),
     "fastmax_linear_norm": lambda q, k, v, causal=False, mask=None: reference.fastmax_linear(
-        q, k, v, mask, causal, poly_policy(2, 1.0, 1.0, 0.5, 1.0, True, 1.5), chunk=2),
+        q, k, v, mask, causal, fastmax_policy(2, 1.0, 1.0, 0.5, 1.0, True, 1.5), chunk=2),
 }
 
 # name: (b, h, h_kv, i, j, causal, masked (batch, key) pairs, poisoned (batch, kv head or None = all, key))
@@ -292,8 +292,8 @@ def test_the_range_rule_follows_the_dtype_scores_are_computed_in(fake_kernels):
 
 def test_policies_without_inputs_need_no_dtype():
     """The model checks fastmax settings at config time, with no inputs and so no dtype yet."""
-    check_poly_coefficients(2, 1.0, 1.0, 0.5, 1e-20, False, 1.0)
-    policy = poly_policy(2, 1.0, 1.0, 0.5, 1e-20, False, 1.0)
+    check_fastmax_coefficients(2, 1.0, 1.0, 0.5, 1e-20, False, 1.0)
+    policy = fastmax_policy(2, 1.0, 1.0, 0.5, 1e-20, False, 1.0)
     policy.check_range(torch.float64)  # 5e39 fits float64
     with pytest.raises(ValueError, match="temperature"):
         policy.check_range(torch.float32)

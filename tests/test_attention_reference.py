@@ -160,10 +160,10 @@ def test_fastmax_linear_form_equals_quadratic(causal, masked, i, j, p, normalize
 def test_fastmax_linear_form_chunks_and_fp32_state():
     """Many chunks at a length that is no chunk multiple; bf16 inputs keep fp32 moments."""
     from attention_cuda import reference
-    from attention_cuda.score import poly_policy
+    from attention_cuda.score import fastmax_policy
     torch.manual_seed(5)
     q, k, v = (torch.randn(1, 2, 203, 16) for _ in range(3))
-    pol = poly_policy(2, 1.0, 1.0, 0.5, 4.0, False, 1.0)
+    pol = fastmax_policy(2, 1.0, 1.0, 0.5, 4.0, False, 1.0)
     ref = reference.quadratic(q.double(), k.double(), v.double(), None, None, True, pol)
     lin = reference.fastmax_linear(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, True, pol, chunk=16)
     assert lin.dtype == torch.bfloat16
@@ -305,7 +305,7 @@ def test_a_forward_only_call_takes_the_forward_crossover(fake_kernels, monkeypat
     forward-only; between the training and the forward crossovers "auto" then keeps the tiled quadratic
     form, which is faster there without the backward that the linear form wins most on."""
     from attention_cuda import functional
-    from attention_cuda.score import poly_policy
+    from attention_cuda.score import fastmax_policy
     plans = importlib.import_module("attention_cuda.plan")  # the module, which the package's plan() shadows
     asked = []
     monkeypatch.setattr(functional, "resolve", lambda **kw: asked.append(kw["forward_only"]) or plans.resolve(**kw))
@@ -317,7 +317,7 @@ def test_a_forward_only_call_takes_the_forward_crossover(fake_kernels, monkeypat
     assert asked == [False, True, True]
     keys = TRAINING["chunked"][64]
     forms = [plans.resolve(device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=64, keys=keys,
-                           policy=poly_policy(**FASTMAX), form="auto", forward_only=forward_only)
+                           policy=fastmax_policy(**FASTMAX), form="auto", forward_only=forward_only)
              for forward_only in (False, True)]
     assert [p.form for p in forms] == ["linear", "quadratic"] and "fwd crossover" in str(forms[1])
     assert plans.TUNING.from_keys is FROM_KEYS
@@ -356,7 +356,7 @@ def test_fastmax_moments_stay_fp32_under_autocast_and_over_long_prefills():
     """A decoder's state is summed in fp32 whatever autocast says (bf16 products would round the sums a
     read divides), over runs of MOMENT_KEYS keys: the same state as the keys' features taken at once."""
     from attention_cuda import fastmax_moments, fastmax_read, reference
-    from attention_cuda.score import poly_policy
+    from attention_cuda.score import fastmax_policy
     g = torch.Generator().manual_seed(6)
     k, v = (torch.randn(1, 2, 2 * reference.MOMENT_KEYS + 300, 8, generator=g) for _ in range(2))
     q = torch.randn(1, 2, 1, 8, generator=g)
@@ -365,7 +365,7 @@ def test_fastmax_moments_stay_fp32_under_autocast_and_over_long_prefills():
         out = fastmax_read(q, state, temperature=4.0)
     assert state.dtype == out.dtype == torch.float32
     whole = reference.key_moment(k, v, torch.ones_like(k[..., :1], dtype=torch.bool),
-                                  poly_policy(2, 1.0, 1.0, 0.5, 4.0, False, 1.0))
+                                  fastmax_policy(2, 1.0, 1.0, 0.5, 4.0, False, 1.0))
     torch.testing.assert_close(state, whole, rtol=1e-5, atol=1e-3)
     torch.testing.assert_close(out, fastmax_read(q, whole, temperature=4.0), rtol=1e-5, atol=1e-6)
 
@@ -441,7 +441,7 @@ def test_cosine_calls_with_one_query_row_take_the_decode_kernel(fake_kernels, mo
     (plan.splits stays 1). More query rows, a gradient to come (splittable None), another family, or a scale
     whose smallest weight of unit rows, e^(-2 |scale|), is no normal fp32 number keep the split or tiled path."""
     plans = importlib.import_module("attention_cuda.plan")
-    from attention_cuda.score import cosine_policy, exp_policy, poly_policy
+    from attention_cuda.score import cosine_policy, exp_policy, fastmax_policy
     monkeypatch.setattr(plans, "_sm_count", lambda device: 132)
 
     def resolve(policy, splittable, keys=131072):
@@ -457,7 +457,7 @@ def test_cosine_calls_with_one_query_row_take_the_decode_kernel(fake_kernels, mo
     assert resolve(cosine_policy(10.0, True), None).path == "tiled"
     assert resolve(cosine_policy(1.01 * plans.DECODE_MAX_BOUND, False), (8, 1)).path == "split"
     assert resolve(exp_policy(0.5), (8, 1)).path == "split"
-    assert resolve(poly_policy(2, 1.0, 1.0, 0.5, 1.0, False, 1.0), (8, 1)).path == "split"
+    assert resolve(fastmax_policy(2, 1.0, 1.0, 0.5, 1.0, False, 1.0), (8, 1)).path == "split"
 
 
 def test_a_decode_step_on_the_kernels_reaches_the_decode_op(monkeypatch):

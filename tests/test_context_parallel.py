@@ -4,6 +4,7 @@ kernels: their glue on CPU with stand-in ops (kernel_standins), the kernels them
 Softmax: PyTorch's ring on CPU around SDPA's CPU op (ring_on_the_cpu), on its CUDA kernels over NCCL on 2 GPUs."""
 import dataclasses
 import functools
+import importlib
 
 import pytest
 import torch
@@ -16,11 +17,15 @@ from torch.nn.attention import sdpa_kernel
 
 import kernel_standins
 from attention_cuda import Tuning, _extension, _kernels, cosine_sim_attention, fastmax_attention
+from attention_cuda.context_parallel import cosine_ring_attention, fastmax_context_parallel
 from attention_cuda.reference import expand_kv
+from attention_cuda.score import fastmax_policy
 from helpers import rule_violation, spawn_group
 from model import GPT, GPTConfig, context_parallel
-from model.context_parallel import (RING_BACKENDS, context_zigzag, cosine_ring_attention, fastmax_context_parallel,
-                                    shard_sequence, softmax_context_parallel, softmax_mesh)
+from model.context_parallel import context_zigzag, shard_sequence
+from model.softmax_ring import RING_BACKENDS, softmax_context_parallel, softmax_mesh
+
+plans = importlib.import_module("attention_cuda.plan")  # the package's ``plan`` is functional's function
 
 B, H, T, D = 2, 4, 24, 8  # T = 24: 3 positions a chunk at 4 ranks in zigzag order (8 chunks)
 FASTMAX = dict(p=2, a0=1.0, a1=1.0, a2=0.5, temperature=2.0)
@@ -322,7 +327,9 @@ def counted_lin_state(x, *args):
 def run_standin_kernels(rank: int, world: int) -> None:
     kernel_standins.install()
     torch.ops.attn_cuda.lin_state = counted_lin_state
-    context_parallel._kernels_reason = lambda *args: None  # the stand-ins run on a CPU, in fp32
+    # The plan told that the kernels run here, on a CPU, in fp32, with chunked kernels at the head dims tried.
+    plans.kernels_reason = plans.linear_kernels_reason = lambda *args: None
+    _extension.chunked_head_dims = lambda dtype: (8, 16)
     # fp16's images on the fp32 rows: each at a scale from its own rank's keys or g, which the ranks' sums of
     # images must bring to one (and keep under fp16's bound, which the stand-ins check).
     _kernels._image_max = lambda dtype: 2.0 ** 14
@@ -463,11 +470,8 @@ def test_a_group_of_one_is_the_single_process_attention(family, group_of_one):
         check_case(0, 1, family, *case)
 
 
-@pytest.mark.parametrize("family, match", [
-    ("cosine", "backend: 'cuda' cannot run these inputs"),
-    ("fastmax", "backend: 'cuda' runs fastmax on the chunked linear-form kernels"),
-])
-def test_use_cuda_kernel_puts_the_model_s_context_group_on_our_kernels(family, match, group_of_one):
+@pytest.mark.parametrize("family", ["cosine", "fastmax"])
+def test_use_cuda_kernel_puts_the_model_s_context_group_on_our_kernels(family, group_of_one):
     """Which the kernels refuse here (CPU tensors), saying so: the model at its first kernel call (RoPE's), the
     context group's attention on its own."""
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, seq_len=16, attention=family, use_cuda_kernel=True))
@@ -475,7 +479,7 @@ def test_use_cuda_kernel_puts_the_model_s_context_group_on_our_kernels(family, m
     with pytest.raises(NotImplementedError, match='backend="cuda": '):
         model(torch.zeros(1, 16, dtype=torch.long))
     q = torch.zeros(1, 2, 16, 8)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(NotImplementedError, match='backend="cuda": (no CUDA device|q: inputs are on cpu)'):
         model.context.attend(q, q, q)
 
 
@@ -523,28 +527,32 @@ def test_bad_slices_are_refused_before_any_communication(attention):
 
 def test_an_unknown_backend_and_cpu_tensors_on_the_kernels_are_refused():
     q = torch.zeros(1, 4, 6, 8)
-    with pytest.raises(ValueError, match="backend: expected one of \\('torch', 'cuda'\\), got 'triton'"):
-        cosine_ring_attention(q, q, q, causal=True, backend="triton")
-    with pytest.raises(ValueError, match="backend: 'cuda' cannot run these inputs: "):
-        cosine_ring_attention(q, q, q, causal=True, backend="cuda")
-    with pytest.raises(ValueError, match="backend: expected one of \\('torch', 'cuda'\\), got 'triton'"):
-        fastmax_context_parallel(q, q, q, causal=True, backend="triton")
-    with pytest.raises(ValueError, match="backend: 'cuda' runs fastmax on the chunked linear-form kernels: "):
-        fastmax_context_parallel(q, q, q, causal=True, backend="cuda")
+    for attention in (cosine_ring_attention, fastmax_context_parallel):
+        with pytest.raises(ValueError, match="backend: expected one of \\('auto', 'torch', 'cuda'\\), got 'triton'"):
+            attention(q, q, q, causal=True, backend="triton")
+        with pytest.raises(NotImplementedError, match='backend="cuda": (no CUDA device|q: inputs are on cpu)'):
+            attention(q, q, q, causal=True, backend="cuda")
     with pytest.raises(ValueError, match="zigzag: fastmax on the kernels takes plain order"):
         fastmax_context_parallel(q, q, q, causal=True, zigzag=True, backend="cuda")
 
 
 def test_fastmax_on_the_kernels_needs_the_chunked_kernels(fake_kernels):
     """The ranks trade the chunked kernels' state images: the sweep (another GPU, another head dim, chunked_rows
-    0) and dtypes the linear form does not take are refused, saying why."""
-    cuda = torch.device("cuda")
-    assert context_parallel._kernels_reason(cuda, torch.bfloat16, 64, Tuning()) is None
-    assert "inputs are on cpu" in context_parallel._kernels_reason(torch.device("cpu"), torch.bfloat16, 64, Tuning())
-    assert "float16 and bfloat16, got torch.float32" in context_parallel._kernels_reason(cuda, torch.float32, 64,
-                                                                                         Tuning())
+    0) and dtypes the linear form does not take are refused, saying why; "auto" takes the reference there."""
+    policy = fastmax_policy(**FASTMAX, normalize=False, lim=1.0)
+
+    def plan(dtype, d, tuning=Tuning(), backend="cuda"):
+        return plans.resolve(device=torch.device("cuda"), dtype=dtype, head_dim=d, keys=64, policy=policy,
+                             backend=backend, form="linear", tuning=tuning, exchange=True)
+
+    chunked = plan(torch.bfloat16, 64)  # 64 keys, fewer than a chunk: the ranks exchange states all the same
+    assert (chunked.backend, chunked.path, chunked.chunk) == ("cuda", "chunked", Tuning().chunked_rows)
+    with pytest.raises(NotImplementedError, match="float16 and bfloat16, got torch.float32"):
+        plan(torch.float32, 64)
     for d, tuning in [(32, Tuning()), (64, Tuning(chunked_rows=0))]:
-        assert f"head dim {d}, chunked_rows {tuning.chunked_rows}) the linear form would run on the sweep" in (
-            context_parallel._kernels_reason(cuda, torch.bfloat16, d, tuning))
+        with pytest.raises(NotImplementedError, match=f"head dim {d}, chunked_rows {tuning.chunked_rows}\\) the "
+                                                      "linear form would run on the sweep"):
+            plan(torch.bfloat16, d, tuning)
     fake_kernels.chunked = ()  # an sm_80 GPU
-    assert "on the sweep" in context_parallel._kernels_reason(cuda, torch.bfloat16, 64, Tuning())
+    assert "on the sweep" in plans.exchange_reason(torch.bfloat16, 64, Tuning())
+    assert plan(torch.bfloat16, 64, backend="auto").backend == "torch"

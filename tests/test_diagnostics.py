@@ -6,12 +6,11 @@ import math
 import pytest
 import torch
 
-from attention_cuda import reference
-from attention_cuda.score import poly_policy
+from attention_cuda import attention_weights, reference
+from attention_cuda.score import fastmax_policy
 from model import GPT, GPTConfig
 from model import diagnostics
-from model.diagnostics import (attention_concentration, attention_weights, capture_qkv, layer_policy,
-                               softmax_policy, summarize)
+from model.diagnostics import attention_concentration, capture_qkv, layer_policy, softmax_policy, summarize
 
 FAMILIES = {
     "softmax": {"attention": "softmax"},
@@ -92,7 +91,7 @@ def test_weights_match_the_reference_quadratic():
     torch.manual_seed(1)
     q, k, v = torch.randn(2, 4, 12, 8) * 3, torch.randn(2, 2, 12, 8) * 3, torch.randn(2, 2, 12, 8)
     for policy in (softmax_policy(8), layer_policy(GPTConfig(attention="cosine", n_embd=32, n_head=4), 0)[0],
-                   poly_policy(2, 1.0, 1.0, 0.5, 2.0, False, 1.0), poly_policy(1, 1.0, 0.1, 0.0, 1.0, True, 3.0)):
+                   fastmax_policy(2, 1.0, 1.0, 0.5, 2.0, False, 1.0), fastmax_policy(1, 1.0, 0.1, 0.0, 1.0, True, 3.0)):
         want = reference.quadratic(q[:, :, -5:], k, v, None, None, True, policy)
         w = attention_weights(q[:, :, -5:], reference.expand_kv(k, 4), policy, start=7)
         torch.testing.assert_close(w @ reference.expand_kv(v, 4), want, rtol=1e-5, atol=1e-6)
@@ -102,7 +101,7 @@ def test_weights_match_the_reference_quadratic():
 def test_weights_sum_to_one_and_stay_causal(window):
     torch.manual_seed(2)
     q, k = torch.randn(3, 10, 16) * 2, torch.randn(3, 10, 16) * 2
-    for policy in (softmax_policy(16), poly_policy(2, 1.0, 1.0, 0.5, 4.0, False, 1.0)):
+    for policy in (softmax_policy(16), fastmax_policy(2, 1.0, 1.0, 0.5, 4.0, False, 1.0)):
         w = attention_weights(q, k, policy, start=0, window=window)
         torch.testing.assert_close(w.sum(-1), torch.ones(3, 10))
         t, s = torch.arange(10)[:, None], torch.arange(10)[None, :]

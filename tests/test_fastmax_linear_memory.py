@@ -3,13 +3,13 @@ import pytest
 import torch
 
 from attention_cuda import reference
-from attention_cuda.score import poly_policy
+from attention_cuda.score import fastmax_policy
 
 F64 = torch.float64
 
 
 def policy(p=2, normalize=False):
-    return poly_policy(p, 1.0, 1.0, 0.5, 1.5, normalize, 1.3 if p == 2 else 1.0)
+    return fastmax_policy(p, 1.0, 1.0, 0.5, 1.5, normalize, 1.3 if p == 2 else 1.0)
 
 
 def inputs(b, h, hkv, i, j, d, dtype=F64, seed=0):

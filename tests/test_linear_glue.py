@@ -9,7 +9,7 @@ import torch
 
 import kernel_standins
 from attention_cuda import _kernels, fastmax_attention
-from attention_cuda.score import poly_policy
+from attention_cuda.score import fastmax_policy
 
 DEFAULTS = dict(p=2, a0=1.0, a1=1.0, a2=0.5, temperature=1.0, normalize=False, lim=1.0)  # fastmax_attention's
 
@@ -42,7 +42,7 @@ def test_the_linear_form_s_glue_gives_the_reference_s_outputs_and_gradients(caus
     options = dict(temperature=2.0, **options)
     expected = output_and_grads(functools.partial(fastmax_attention, causal=causal, mask=mask, backend="torch",
                                                   form="quadratic", **options), (q, k, v + 3), d_out)
-    policy = poly_policy(**{**DEFAULTS, **options})
+    policy = fastmax_policy(**{**DEFAULTS, **options})
     # fp32: the glue takes a float32 gradient norm of q, which fp64 rows would not narrow to.
     linear = functools.partial(_kernels.linear_attention, mask=mask, causal=causal, policy=policy,
                                dtype=torch.float32, chunk=16, chunked=True)
@@ -54,7 +54,7 @@ def test_the_linear_form_s_glue_gives_the_reference_s_outputs_and_gradients(caus
 def test_an_exchange_needs_the_chunked_kernels():
     q = torch.zeros(1, 2, 8, 8)
     with pytest.raises(ValueError, match="exchange: .* expected chunked=True"):
-        _kernels.linear_attention(q, q, q, None, True, poly_policy(**DEFAULTS), torch.bfloat16, 128, False,
+        _kernels.linear_attention(q, q, q, None, True, fastmax_policy(**DEFAULTS), torch.bfloat16, 128, False,
                                   exchange=object())
 
 

@@ -6,9 +6,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere: the repository root's packages
 import torch
 from attention_cuda import _extension
+from attention_cuda import _ops as ops
 from lab.timing import time_ms
 assert _extension.unavailable_reason() is None, _extension.unavailable_reason()
-ops = torch.ops.attn_cuda
 dev = "cuda"
 print("chunked dims bf16", ops.chunked_head_dims(torch.bfloat16), "f16", ops.chunked_head_dims(torch.float16))
 

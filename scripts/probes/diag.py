@@ -13,13 +13,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 
 import torch  # noqa: E402
 
-from attention_cuda import _extension, _kernels, fastmax_attention  # noqa: E402
+from attention_cuda import _extension, _kernels, _ops, fastmax_attention  # noqa: E402
+from attention_cuda.score import ScorePolicy  # noqa: E402
 from lab.timing import time_ms  # noqa: E402
 
 torch.manual_seed(0)
-ops = torch.ops.attn_cuda
 B, H, N, d, L = 4, 8, 16384, 64, 1024
-coefs, scale = (1.0, 1.0, 0.5), d ** -0.5
+policy = ScorePolicy("fastmax", d ** -0.5, None, 1.0, 1.0, 0.5)  # the diagonal blocks' (rows unnormalised)
 
 
 def t(fn):
@@ -28,22 +28,20 @@ def t(fn):
 
 assert _extension.unavailable_reason() is None, _extension.unavailable_reason()
 q, k, v, do = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-qc, kc, vc = (ops.lin_rows(x, None, None, 0, N, d + 16, L) for x in (q, k, v))
+qc, kc, vc = (_ops.lin_rows(x, None, None, 0, N, d + 16, L) for x in (q, k, v))
 views = _kernels._diagonal(qc, kc, vc)
 plain = tuple(x.contiguous() for x in views)
 keep = torch.ones(B * N // L, L, dtype=torch.bool, device="cuda")
 rows = (B * N // L, H, L, d)
-dout_c = ops.lin_rows(do, None, None, 0, N, d, L).view(rows)
+dout_c = _ops.lin_rows(do, None, None, 0, N, d, L).view(rows)
 
 
 def fwd(x, mask):
-    return ops.fwd(*x, mask, None, True, "poly", scale, None, coefs, True)
+    return _ops.fwd(*x, mask=mask, bias=None, causal=True, policy=policy)
 
 
 def bwd(x, mask, saved):
-    out, inv_l = saved[:2]
-    e = inv_l.new_empty(0)
-    return ops.bwd(dout_c, *x, mask, None, out, inv_l, e, e, True, "poly", scale, None, coefs, True, False)
+    return _ops.bwd(dout_c, *x, mask=mask, bias=None, out=saved.out, stat=saved.stat, causal=True, bias_grad=False)
 
 
 for name, x, mask in (("views + mask (as called)", views, keep), ("views, no mask", views, None),

@@ -30,8 +30,8 @@ struct ScoreChoice {
   ScoreParams params;
 };
 
-// The variant and constants for a call of score.py's ScorePolicy: kind "cosine", "exp" or "poly", x = scale *
-// (q.k) with q and k scaled to norm qk_norm first (has_qk_norm), coef = the polynomial's (a0, a1, a2).
+// The variant and constants for a call of score.py's ScorePolicy: kind "cosine", "exp" or "fastmax", x =
+// scale * (q.k) with q and k scaled to norm qk_norm first (has_qk_norm), coef = the polynomial's (a0, a1, a2).
 // False for an unknown kind or coefficient count.
 //
 // Logit y = alpha (q.k) rq rk + beta bias, in log2 units for the exp family. Weights A = exp2(y - shift)
@@ -44,7 +44,7 @@ inline bool choose_score(std::string_view kind, double scale, bool has_qk_norm, 
   const double n2 = has_qk_norm ? qk_norm * qk_norm : 1.0, c = scale * n2;
   ScoreChoice& ch = *out;
   ch.params.a0 = coef[0], ch.params.a1 = coef[1], ch.params.a2 = coef[2];
-  if (kind == "poly") {
+  if (kind == "fastmax") {
     ch.score = Score::kPoly, ch.params.alpha = c, ch.params.beta = 1.f, ch.params.shift = 0.f;
     ch.params.grad_scale = 1.f;
     return true;
