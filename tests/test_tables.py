@@ -49,7 +49,7 @@ def tree(tmp_path) -> Path:
     """A copy of the documents and bench/ to break."""
     shutil.copy(ROOT / "README.md", tmp_path / "README.md")
     shutil.copytree(ROOT / "docs", tmp_path / "docs")
-    shutil.copytree(ROOT / "bench", tmp_path / "bench", ignore=shutil.ignore_patterns("*.png", "*.txt", "*.patch"))
+    shutil.copytree(ROOT / "bench", tmp_path / "bench", ignore=shutil.ignore_patterns("*.png", "*.txt"))
     return tmp_path
 
 

@@ -1,3 +1,4 @@
+import ast
 import dataclasses
 import html
 import json
@@ -304,6 +305,15 @@ def test_bpc_by_position_buckets():
     assert bpc_by_position(loss_sum, count) == [(1, 0.0), (2, 2.0), (4, 2.0), (8, 2.0), (10, 2.0)]
     count[4:8] = 0  # positions 5-8 never scored: no bucket for them
     assert [p for p, _ in bpc_by_position(loss_sum, count)] == [1, 2, 4, 10]
+
+
+def test_train_py_reads_in_steps_of_at_most_60_lines():
+    """Issue 58's rule: a reader follows train.py top to bottom, no function longer than 60 lines."""
+    tree = ast.parse(Path(train.__file__).read_text())
+    lengths = {node.name: node.end_lineno - node.lineno + 1 for node in ast.walk(tree)
+               if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    assert "run" in lengths
+    assert {name: n for name, n in lengths.items() if n > 60} == {}
 
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
