@@ -339,7 +339,7 @@ FASTMAX_BACKENDS = ("torch", "cuda")
 
 def _kernels_reason(device: torch.device, dtype: torch.dtype, d: int, tuning: Tuning) -> str | None:
     """None when the chunked linear-form kernels run a slice of head dim d in dtype on device, else why not."""
-    reason = kernels_reason(device, dtype, d) or linear_kernels_reason(dtype)
+    reason = kernels_reason(device, dtype, d) or linear_kernels_reason(dtype, d, tuning)
     if reason is None and not chunked_path(dtype, d, tuning):
         reason = (f"the ranks trade the chunked kernels' state images, which an sm_90a build runs on Hopper at "
                   f"head dims 64 and 128 with tuning.chunked_rows > 0; here (head dim {d}, chunked_rows "
