@@ -5,7 +5,7 @@ kernels on first use if a GPU and nvcc turn up later. Knobs (environment variabl
   TORCH_CUDA_ARCH_LIST  GPU architectures to build for (default "8.0;9.0a"; 9.0a adds the Hopper
                         wgmma kernels, plain 9.0 runs the mma.sync ones on Hopper)
   ATTN_DTYPES           comma-separated subset of f16,bf16,f32 to compile (default all)
-  ATTN_HEADDIMS         comma-separated subset of 16,32,64,96,128 (default all); narrow both for fast
+  ATTN_HEADDIMS         comma-separated subset of build.py's HEAD_DIMS (default all); narrow both for fast
                         development builds: inputs outside the build are reported as unsupported
   MAX_JOBS              parallel compile jobs (ninja)
 What is compiled (dtypes, head dims, sources, flags) comes from attention_cuda/build.py, the build list

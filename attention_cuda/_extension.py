@@ -23,7 +23,9 @@ _reason = _UNSET      # None once the ops are loaded, else why they cannot be
 # What the loaded extension says of itself, read once: plans and fakes then stay plain Python, which
 # torch.compile traces through without calling an op.
 _head_dims = {}       # dtype -> head dims compiled into the loaded extension
-_chunked = {}         # dtype -> head dims the chunked linear-form kernels run on this device
+_sweep = {}           # dtype -> those of them the linear form's sweep is built for
+_chunked = {}         # dtype -> those the chunked linear-form kernels run on this device
+_decode = {}          # dtype -> those cosine's decode kernel takes
 _image_bytes = {}     # (head dim, second order) -> bytes of a chunk's state image (csrc's chunked_image_bytes)
 
 
@@ -80,7 +82,8 @@ def _load() -> str | None:
                     "log run `python -c 'import attention_cuda._extension as e; e._jit_build()'`, or install it "
                     "with `pip install --no-build-isolation -e .` on a machine with nvcc")
     for dt in DTYPES:
-        _head_dims[dt], _chunked[dt] = _ops.head_dims(dt), _ops.chunked_head_dims(dt)
+        _head_dims[dt], _sweep[dt] = _ops.head_dims(dt), _ops.sweep_head_dims(dt)
+        _chunked[dt], _decode[dt] = _ops.chunked_head_dims(dt), _ops.decode_head_dims(dt)
         _image_bytes.update({(d, second): _ops.chunked_image_bytes(d, second)
                              for d in _chunked[dt] for second in (False, True)})
     _register_fakes()
@@ -103,9 +106,19 @@ def compiled_head_dims(dtype: torch.dtype) -> tuple[int, ...]:
     return _head_dims.get(dtype, ())
 
 
+def sweep_head_dims(dtype: torch.dtype) -> tuple[int, ...]:
+    """The head dims the linear form's sweep runs for dtype (the ops must be loaded)."""
+    return _sweep.get(dtype, ())
+
+
 def chunked_head_dims(dtype: torch.dtype) -> tuple[int, ...]:
     """The head dims the linear form's chunked (Hopper) kernels run for dtype here: none without the ops."""
     return () if unavailable_reason() is not None else _chunked.get(dtype, ())
+
+
+def decode_head_dims(dtype: torch.dtype) -> tuple[int, ...]:
+    """The head dims cosine's decode kernel runs for dtype (the ops must be loaded)."""
+    return _decode.get(dtype, ())
 
 
 def _register_fakes() -> None:

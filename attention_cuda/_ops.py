@@ -36,9 +36,19 @@ def head_dims(dtype: torch.dtype) -> tuple[int, ...]:
     return tuple(_lib().head_dims(dtype))
 
 
+def sweep_head_dims(dtype: torch.dtype) -> tuple[int, ...]:
+    """The head dims the linear form's sweep runs for dtype."""
+    return tuple(_lib().sweep_head_dims(dtype))
+
+
 def chunked_head_dims(dtype: torch.dtype) -> tuple[int, ...]:
     """The head dims the linear form's chunked (Hopper) kernels run for dtype on this device."""
     return tuple(_lib().chunked_head_dims(dtype))
+
+
+def decode_head_dims(dtype: torch.dtype) -> tuple[int, ...]:
+    """The head dims cosine's decode kernel takes for dtype."""
+    return tuple(_lib().decode_head_dims(dtype))
 
 
 def chunked_image_bytes(head_dim: int, second: bool) -> int:

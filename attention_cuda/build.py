@@ -6,7 +6,8 @@ before torch or the package are importable.
 
 Each (dtype, head dim) of the build is one translation unit, generated here (``instantiations``), a
 single ``ATTN_REGISTER`` of csrc/binding/register.cuh: a build may compile a subset, and the pairs
-compile in parallel. A head dim also needs its row in csrc/quadratic/tiles.h.
+compile in parallel. A head dim also needs its row in csrc/quadratic/tiles.h, which holds every choice of the
+kernels that depends on the head dim.
 """
 
 import hashlib

@@ -143,10 +143,16 @@ def rope_kernels_reason(device: torch.device, dtype: torch.dtype, head_dim: int)
     return None
 
 
-def linear_kernels_reason(dtype: torch.dtype) -> str | None:
+def linear_kernels_reason(dtype: torch.dtype, head_dim: int, tuning: Tuning) -> str | None:
+    """None when the linear form's kernels run q of this dtype and head dim, on the path chunked_path picks, else
+    why not (the kernels must run the call: kernels_reason)."""
     dtype = run_dtype(dtype, True)
     if dtype not in LINEAR_KERNEL_DTYPES:
         return f"q: the linear-form kernels take float16 and bfloat16, got {dtype} (use form='quadratic')"
+    if not chunked_path(dtype, head_dim, tuning) and head_dim not in _extension.sweep_head_dims(dtype):
+        return (f"q: no linear-form kernel runs head dim {head_dim} here (the sweep's head dims: "
+                f"{_extension.sweep_head_dims(dtype)}, the chunked kernels': {_extension.chunked_head_dims(dtype)}; "
+                "use form='quadratic')")
     return None
 
 
@@ -201,10 +207,11 @@ def key_splits(sms: int, query_blocks: int, keys: int) -> int:
     return max(1, min(-(-SPLIT_BLOCKS_PER_SM * sms // query_blocks), keys // SPLIT_MIN_KEYS))
 
 
-def decodes(policy: ScorePolicy) -> bool:
-    """Whether a forward-only call of this policy with one query row per head runs on the decode kernel:
-    cosine whose logits of unit rows stay within DECODE_MAX_BOUND of zero."""
-    if policy.kind != "cosine":
+def decodes(policy: ScorePolicy, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether a forward-only call of this policy, dtype and head dim with one query row per head runs on the
+    decode kernel: cosine whose logits of unit rows stay within DECODE_MAX_BOUND of zero, at a head dim the
+    kernel takes (the extension's decode_head_dims)."""
+    if policy.kind != "cosine" or head_dim not in _extension.decode_head_dims(run_dtype(dtype, True)):
         return False
     return abs(policy.scale) * (1.0 if policy.qk_norm is None else policy.qk_norm ** 2) <= DECODE_MAX_BOUND
 
@@ -241,15 +248,17 @@ def resolve(*, device: torch.device, dtype: torch.dtype, head_dim: int, keys: in
     why = []
     reason = reference_reason(backend, lambda: (
         "dropout: the kernels do not implement dropout (use dropout=0 or backend='torch')" if dropout > 0
-        else kernels_reason(device, dtype, head_dim) or (linear_kernels_reason(dtype) if form == "linear" else None)
+        else kernels_reason(device, dtype, head_dim)
+        or (linear_kernels_reason(dtype, head_dim, tuning) if form == "linear" else None)
         or (exchange_reason(dtype, head_dim, tuning) if exchange else None)))
     on_kernels = reason is None
     why.append(("our kernels",) if on_kernels else ("the PyTorch reference: ", reason))
 
     if form == "auto":
         start, basis = linear_from_keys(head_dim, round(policy.a2 != 0) + 1, dtype, on_kernels, tuning, forward_only)
-        if on_kernels and linear_kernels_reason(dtype) is not None:
-            form, note = "quadratic", (linear_kernels_reason(dtype),)
+        no_linear = linear_kernels_reason(dtype, head_dim, tuning) if on_kernels else None
+        if no_linear is not None:
+            form, note = "quadratic", (no_linear,)
         elif dropout > 0:
             form, note = "quadratic", ("dropout exists only in the quadratic form",)
         else:
@@ -272,7 +281,7 @@ def resolve(*, device: torch.device, dtype: torch.dtype, head_dim: int, keys: in
     splits = 1
     if splittable is not None and path == "tiled":
         heads, rows = splittable
-        if rows == 1 and decodes(policy):
+        if rows == 1 and decodes(policy, dtype, head_dim):
             # The tiled forward would pay a 128-row query tile for the one row, and a copy of K and V to zero
             # the masked keys' rows; the decode kernel streams the kept keys once, on CUDA cores.
             path = "decode"

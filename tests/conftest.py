@@ -47,16 +47,18 @@ def run(tmp_path, monkeypatch, data_path):
 
 @pytest.fixture
 def fake_kernels(monkeypatch):
-    """Plans made as on a CUDA GPU with every kernel built (chunked: the head dims the Hopper chunked
-    kernels take; set fake_kernels.chunked = () for an sm_80 GPU). Only plans: nothing runs on them."""
+    """Plans made as on a CUDA GPU with every kernel built: the head dims the extension reports for each kind of
+    kernel are the fixture's attributes (chunked: the Hopper chunked kernels'; set fake_kernels.chunked = () for
+    an sm_80 GPU). Only plans: nothing runs on them."""
     monkeypatch.setattr(_extension, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(_extension, "compiled_head_dims", lambda dtype: _extension.HEAD_DIMS)
 
-    class Chunked:
+    class Reports:
+        compiled = sweep = decode = _extension.HEAD_DIMS
         chunked = (64, 128)
 
-    monkeypatch.setattr(_extension, "chunked_head_dims", lambda dtype: Chunked.chunked)
-    return Chunked
+    for kind in ("compiled", "sweep", "chunked", "decode"):
+        monkeypatch.setattr(_extension, f"{kind}_head_dims", lambda dtype, kind=kind: getattr(Reports, kind))
+    return Reports
 
 
 @pytest.fixture

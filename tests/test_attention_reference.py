@@ -460,7 +460,41 @@ def test_cosine_calls_with_one_query_row_take_the_decode_kernel(fake_kernels, mo
     assert resolve(fastmax_policy(2, 1.0, 1.0, 0.5, 1.0, False, 1.0), (8, 1)).path == "split"
 
 
-def test_a_decode_step_on_the_kernels_reaches_the_decode_op(monkeypatch):
+def test_a_head_dim_a_path_lacks_is_refused_at_plan_time(fake_kernels, monkeypatch):
+    """A head dim that the build compiles but a path's kernels do not run (d256, as adding it to build.py's
+    HEAD_DIMS with a row in quadratic/tiles.h that has no sweep or chunked kernels would build it; the decode
+    kernel takes up to 128) never reaches them: the extension leaves it out of that path's head dims, and the
+    plan refuses the linear form with the reason (backend="cuda" raises it, "auto" runs the reference, form="auto"
+    stays quadratic on the kernels) and sends a decode step down the split path."""
+    from attention_cuda import _extension
+    from attention_cuda.score import cosine_policy, fastmax_policy
+    plans = importlib.import_module("attention_cuda.plan")
+    monkeypatch.setattr(plans, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(_extension, "HEAD_DIMS", (*_extension.HEAD_DIMS, 256))
+    fake_kernels.compiled = _extension.HEAD_DIMS
+
+    def resolve(head_dim, policy=fastmax_policy(**FASTMAX), **kw):
+        return plans.resolve(device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=head_dim, keys=131072,
+                             policy=policy, **kw)
+
+    why = "no linear-form kernel runs head dim 256 here"
+    with pytest.raises(NotImplementedError, match=why):
+        resolve(256, form="linear", backend="cuda")
+    assert resolve(256, form="linear").backend == "torch" and why in str(resolve(256, form="linear"))
+    auto = resolve(256, form="auto")
+    assert (auto.backend, auto.form, auto.path) == ("cuda", "quadratic", "tiled") and why in str(auto)
+    assert [resolve(d, form="linear").path for d in (128, 96)] == ["chunked", "sweep"]
+    fake_kernels.sweep = (16, 32, 64, 96)  # a chunked head dim runs the linear form without a sweep
+    assert resolve(128, form="linear").path == "chunked"
+    with pytest.raises(NotImplementedError, match="no linear-form kernel runs head dim 128"):
+        resolve(128, form="linear", backend="cuda", tuning=plans.Tuning(chunked_rows=0))
+
+    step = cosine_policy(10.0, True)
+    assert resolve(128, step, splittable=(8, 1)).path == "decode"
+    assert resolve(256, step, splittable=(8, 1)).path == "split"
+
+
+def test_a_decode_step_on_the_kernels_reaches_the_decode_op(fake_kernels, monkeypatch):
     """functional's glue to attn_cuda::decode (kernel_standins' stand-in, on a CPU, with the plan told that the
     kernels run): a forward-only cosine call with one query row per head, grouped kv heads and a key mask, runs
     it in the plan's dtype with the call's scale and qk norm, its q and k normalised there or given as unit rows,

@@ -214,8 +214,8 @@ Tensor attn_decode(const Tensor& q, const Tensor& k, const Tensor& v, const opti
                    optional<double> qk_norm, int64_t splits) {
   const Call c = check_inputs(q, k, v, mask, c10::nullopt);
   TORCH_CHECK(c.I == 1, "attn_cuda: decode: q must hold one query row (B, H, 1, D), got ", c.I, " rows");
-  TORCH_CHECK(c.D % 8 == 0 && c.D <= attn::kDecodeMaxDim, "attn_cuda: decode: head dim ", c.D,
-              " must be a multiple of 8 up to ", attn::kDecodeMaxDim);
+  TORCH_CHECK(attn::decode_takes(c.D), "attn_cuda: decode: head dim ", c.D, " must be a multiple of 8 up to ",
+              attn::kDecodeMaxDim);
   TORCH_CHECK(splits >= 0, "attn_cuda: decode: splits must be >= 0 (0: the kernel's choice), got ", splits);
   constexpr double kLog2e = 1.4426950408889634;
   const double alpha = scale * (qk_norm ? *qk_norm * *qk_norm : 1.0) * kLog2e;
@@ -412,17 +412,6 @@ std::tuple<Tensor, Tensor> attn_lin_read(const Tensor& x, const optional<Tensor>
   return {r1, r2};
 }
 
-std::vector<int64_t> chunked_head_dims(at::ScalarType dtype) {
-  attn::Dtype d;
-  std::vector<int64_t> dims;
-  attn::LinStateFn state;
-  attn::LinReadFn read;
-  if (kernel_dtype(dtype, &d))
-    for (int64_t D : attn::compiled_head_dims(d))
-      if (attn::find_chunked(d, D, &state, &read)) dims.push_back(D);
-  return dims;
-}
-
 // The linear form's row passes (linear/lin_rows.cu): natural (B, H, n, D) rows <-> chunk-major (B, chunks, H, L, W)
 // ones, chunk row t = natural row t - shift; L (rows per chunk) is 128 for the sweep (kLinChunk) and
 // larger for the Hopper chunked form.
@@ -607,9 +596,44 @@ Tensor attn_rope_merge(const Tensor& dq, const Tensor& dk, const Tensor& dv, con
   return qkv;
 }
 
-std::vector<int64_t> head_dims(at::ScalarType dtype) {
+// What the Python side asks of the build: the head dims compiled for dtype at which `has` (dtype, head dim) holds.
+// The plan sends a call down a path only at the head dims the path's op reports.
+template <class F>
+std::vector<int64_t> head_dims_with(at::ScalarType dtype, F&& has) {
   attn::Dtype d;
-  return kernel_dtype(dtype, &d) ? attn::compiled_head_dims(d) : std::vector<int64_t>{};
+  std::vector<int64_t> dims;
+  if (kernel_dtype(dtype, &d))
+    for (int64_t D : attn::compiled_head_dims(d))
+      if (has(d, static_cast<int>(D))) dims.push_back(D);
+  return dims;
+}
+
+std::vector<int64_t> head_dims(at::ScalarType dtype) {
+  return head_dims_with(dtype, [](attn::Dtype, int) { return true; });
+}
+
+// The linear form's sweep (quadratic/tiles.h says at which head dims it is built).
+std::vector<int64_t> sweep_head_dims(at::ScalarType dtype) {
+  return head_dims_with(dtype, [](attn::Dtype d, int D) {
+    attn::FwdFn fwd;
+    attn::BwdFn bwd;
+    attn::LinFn lin = nullptr;
+    return attn::find_kernels(d, D, &fwd, &bwd, &lin) && lin;
+  });
+}
+
+// The chunked linear-form kernels, on this device.
+std::vector<int64_t> chunked_head_dims(at::ScalarType dtype) {
+  return head_dims_with(dtype, [](attn::Dtype d, int D) {
+    attn::LinStateFn state;
+    attn::LinReadFn read;
+    return attn::find_chunked(d, D, &state, &read);
+  });
+}
+
+// Cosine's decode kernel.
+std::vector<int64_t> decode_head_dims(at::ScalarType dtype) {
+  return head_dims_with(dtype, [](attn::Dtype, int D) { return attn::decode_takes(D); });
 }
 
 }  // namespace
@@ -635,7 +659,9 @@ TORCH_LIBRARY(attn_cuda, m) {
         "Tensor scale) -> Tensor");
   m.def("lin_read(Tensor x, Tensor? g, Tensor image, int heads, bool second, int r1_cols, Tensor scale) "
         "-> (Tensor, Tensor)");
+  m.def("sweep_head_dims(ScalarType dtype) -> int[]", &sweep_head_dims);
   m.def("chunked_head_dims(ScalarType dtype) -> int[]", &chunked_head_dims);
+  m.def("decode_head_dims(ScalarType dtype) -> int[]", &decode_head_dims);
   m.def("chunked_image_bytes(int D, bool second) -> int", &chunked_image_bytes);
   m.def("decode(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float? qk_norm, int splits) -> Tensor");
   m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor)");

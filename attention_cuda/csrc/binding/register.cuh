@@ -25,17 +25,20 @@ template <class T, int D>
 using Sm90BwdOf = std::conditional_t<Tiles<T, D>::kRow.sm90_bwd_ws, Sm90BwdWs<T, D>, Sm90Bwd<T, D>>;
 
 // What (T, D) registers: the forward and backward for the current device; where build.py gives the
-// dtype the linear form (kLinear), its sweep, and its chunked kernels where they are built: sm_90a, the
-// head dims whose w = [v, 1] width (D + 8) has a wgmma instance (common/wgmma.cuh).
+// dtype the linear form (kLinear), its sweep and its chunked kernels (sm_90a builds) where D's row in
+// quadratic/tiles.h has them.
 template <class T, int D, bool kLinear>
 Kernels kernels_of() {
+  constexpr HeadDimTiles kRow = Tiles<T, D>::kRow;
+  static_assert(D <= kRowMaxDim, "the row passes around the tiled kernels take head dims up to kRowMaxDim "
+                "(quadratic/params.h): a larger head dim in build.py's HEAD_DIMS needs them wider first");
   Kernels k{&run_on_device<Sm90Fwd<T, D>, &run_fwd<T, D>>, &run_on_device<Sm90BwdOf<T, D>, &run_bwd<T, D>>, nullptr,
             nullptr, nullptr};
   if constexpr (kLinear) {
     static_assert(sizeof(T) == 2, "the linear form's kernels run in fp16 and bf16");
-    k.lin = &run_linear<T, D>;
+    if constexpr (kRow.sweep) k.lin = &run_linear<T, D>;
 #if defined(ATTN_SM90A)
-    if constexpr (D == 64 || D == 128) k.state = &run_lin_state<T, D>, k.read = &run_lin_read<T, D>;
+    if constexpr (kRow.chunked) k.state = &run_lin_state<T, D>, k.read = &run_lin_read<T, D>;
 #endif
   }
   return k;

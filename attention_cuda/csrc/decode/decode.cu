@@ -302,7 +302,7 @@ cudaError_t decode_splits(Dtype dtype, const DecodeParams& p, int* splits) {
 }
 
 cudaError_t run_decode(Dtype dtype, const DecodeParams& p, cudaStream_t stream) {
-  if (p.D % kElems != 0 || p.splits < 1 || p.split_keys < 1) return cudaErrorInvalidValue;
+  if (!decode_takes(p.D) || p.splits < 1 || p.split_keys < 1) return cudaErrorInvalidValue;
   const cudaError_t err = with_decode_kernel(dtype, p, [&](auto kernel, int heads) {
     return launch(kernel, int64_t{p.B} * p.Hkv * (p.group / heads) * p.splits, kDecodeThreads, 0, p, stream);
   });

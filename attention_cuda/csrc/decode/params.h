@@ -10,8 +10,9 @@
 namespace attn {
 
 // Head dims the decode kernel takes: multiples of 8 (a lane holds 8 elements of a row) up to 128 (16 lanes
-// a row), which covers attention_cuda/build.py's HEAD_DIMS.
+// a row). The extension reports those of the build (decode_head_dims), and the plan sends it no other.
 constexpr int kDecodeMaxDim = 128;
+constexpr bool decode_takes(int D) { return D > 0 && D % 8 == 0 && D <= kDecodeMaxDim; }
 
 struct DecodeParams {
   int B, H, Hkv, J, D;

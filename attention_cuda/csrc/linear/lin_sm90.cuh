@@ -67,17 +67,23 @@ struct LinFeatures {
 template <class T, int D>
 struct LinState90 {
   using F = LinFeatures<D>;
-  static constexpr int kTiles = D <= 32 ? 2 : D <= 64 ? 3 : 2;  // image tiles per warpgroup (accumulators)
+  static constexpr HeadDimTiles kRow = Tiles<T, D>::kRow;
+  static_assert(kRow.chunked, "no chunked kernels at this head dim in kTileTable (quadratic/tiles.h)");
+  static constexpr int kTiles = kRow.chunked_tiles;  // image tiles per warpgroup (accumulators)
   // Two warpgroups, each with its own image tiles, share every stage of 128 rows: each row loaded feeds
   // twice the products it did with one warpgroup per CTA, which then left lin_state waiting on its loads.
   // A stage's x and w rows arrive by TMA, issued by one thread, as swizzled tiles (D + 16 columns, those
   // past the rows' width zero-filled): with cp.async by every thread the address arithmetic and its
-  // waits were a quarter of the kernel's stalls. Three stages at d64, so that the stage a load
-  // overwrites was read two steps back and no step drains the tensor pipe; at d128 three stages of 128
-  // rows do not fit, and two of 128 beat three or four of 64 (bench/notes/run-37.md).
-  static constexpr int kWgs = 2, kRows = 128, kThreads = 128 * kWgs, kStages = D <= 64 ? 3 : 2;
+  // waits were a quarter of the kernel's stalls.
+  static constexpr int kWgs = 2, kRows = 128, kThreads = 128 * kWgs;
   static constexpr int kXPanels = ((D + 16) * 2 + 63) / 64;
   static constexpr int kW = F::kPanels * 64 * kRows, kX = kXPanels * 64 * kRows, kStage = kW + kX;
+  // Three stages where they fit (d64), so that the stage a load overwrites was read two steps back and no
+  // step drains the tensor pipe; else two (at d128 three stages of 128 rows do not fit, and two of 128 beat
+  // three or four of 64: bench/notes/run-37.md).
+  static constexpr int kFit = (227 * 1024 - kSwizzleSlack) / (kStage + 8);  // a stage and its mbarrier
+  static constexpr int kStages = kFit < 3 ? kFit : 3;
+  static_assert(kStages >= 2, "a stage loads while the other is read");
   static constexpr int kBytes = kStages * kStage + 8 * kStages + kSwizzleSlack;  // stages, mbarriers, alignment
 };
 
@@ -217,9 +223,8 @@ struct LinRead90 {
   // Two warpgroups of 64 rows; no producer warp: a 288-thread block at two per SM got 80 registers, and
   // ptxas serialised R1's wgmmas for want of them (C7512).
   static constexpr int kRows = 128, kThreads = 2 * 128;
-  // R1 at d64: two blocks per SM (registers and shared memory), which overlap each other's waits.
   static_assert(kR1 != kR2, "R1 and R2 are launches of their own (together, ptxas spills at d128)");
-  static constexpr int kBlocks = D <= 64 && kR1 ? 2 : 1;
+  static constexpr int kBlocks = kR1 ? Tiles<T, D>::kRow.chunked_r1_blocks : 1;  // per SM (quadratic/tiles.h)
   static constexpr int kXPitch = (D + 16) * 2 + 16;
   // dq's pitch D + 8: a quad's float2 at columns 2 tq of rows g fill all 32 banks per half warp.
   static constexpr int kDqPitch = D + 8, kX = kRows * kXPitch, kDq = kR2 ? kRows * kDqPitch * 4 : 0;

@@ -33,17 +33,20 @@
 #pragma once
 #include "../common/launch.cuh"
 #include "../common/mma.cuh"
+#include "../quadratic/tiles.h"
 #include "params.h"
 
 namespace attn {
 
 template <class T, int D>
 struct LinConfig {
+  static constexpr HeadDimTiles kRow = Tiles<T, D>::kRow;
+  static_assert(kRow.sweep, "no sweep at this head dim in kTileTable (quadratic/tiles.h)");
   static constexpr int kWarps = 8, kThreads = kWarps * 32, kL = kLinChunk;
   static constexpr int kJ = D / 16, kJ1 = kJ + 1, kDp = D + 16;  // second-order / first-order groups per row
-  // Second-order rows a warp keeps: its state and the state's B fragments, 12 registers per group. A
-  // whole number per warp, so every warp runs the same unrolled code (its rows' mma chains interleave).
-  static constexpr int kRows = D == 32 ? 4 : D <= 64 ? 2 : 1;
+  // Second-order rows a warp keeps (quadratic/tiles.h). A whole number per warp, so every warp runs the
+  // same unrolled code (its rows' mma chains interleave).
+  static constexpr int kRows = kRow.sweep_rows;
   static_assert(D % (kWarps * kRows) == 0, "every part's warps own kRows rows each");
   static constexpr int kFirstGroups = (kJ1 + kWarps - 1) / kWarps;  // row -1's groups per warp
   static constexpr int kXPitch = kDp * 2 + 16, kWPitch = 16 * 2 + 16;  // padded tile rows (ldmatrix)
@@ -66,12 +69,13 @@ struct LinConfig {
   static constexpr int kYFit = (227 * 1024 - kFixed) / (kWarps * kYTile * 4);
   static constexpr int kYTiles = kYFit >= 8 ? 8 : kYFit >= 4 ? 4 : 2;
   static constexpr int kBytes = kFixed + kYTiles * kWarps * kYTile * 4;
+  static_assert(kBytes <= 227 * 1024,
+                "shared memory: a head dim whose sweep does not fit has none (quadratic/tiles.h)");
   static int parts(bool second) { return second ? D / (kWarps * kRows) : 0; }
-  // Row -1 in the part's CTAs rather than CTAs of its own: a row -1 CTA, with a fraction of a part's
-  // products, takes about as long as a full one (the sweep is bound by its per-chunk latency), so at d32,
-  // where one part holds every row, the fold halves the CTAs. Elsewhere the registers it takes cost more
-  // than the CTAs it saves (d16 and d64 ran slower folded; bench/notes/run-12.md).
-  static constexpr bool kFold = D == 32;
+  // Row -1 in the part's CTAs rather than CTAs of its own, where quadratic/tiles.h says: a row -1 CTA, with
+  // a fraction of a part's products, takes about as long as a full one (the sweep is bound by its per-chunk
+  // latency).
+  static constexpr bool kFold = kRow.sweep_fold;
 };
 
 template <class T>

@@ -89,7 +89,9 @@ __host__ __device__ __forceinline__ int dq_tiled_rows(int I) {
   return (I + kDqTileRows - 1) / kDqTileRows * kDqTileRows;
 }
 
-// Row-wise passes around the tiled kernels (quadratic/rows.cu).
+// Row-wise passes around the tiled kernels (quadratic/rows.cu), for rows of up to kRowMaxDim elements (16
+// lanes of 8): every backward runs them, and every forward under a qk norm.
+constexpr int kRowMaxDim = 128;
 // r = 1 / max(|x_row|, eps) for x (B,H,N,D) with strides xs, into out (B,H,n_pad), and the rows x r in x's
 // type into unit (B,H,N,D), contiguous.
 cudaError_t run_row_rnorm(Dtype dtype, const void* x, RowStrides xs, int B, int H, int N, int D, int n_pad,

@@ -1,8 +1,11 @@
 // Row-wise passes around the quadratic kernels: 1/|k| and the unit keys k/|k| that the kernels read,
 // delta = rowsum(dO * O) for the backward, and the dQ epilogue (common/rows.cuh: how the rows are split).
+#include <iterator>
+
 #include "../common/launch.cuh"
 #include "../common/rows.cuh"
 #include "params.h"
+#include "tiles.h"
 
 namespace attn {
 namespace {
@@ -78,8 +81,9 @@ template <class F>
 cudaError_t with_row_lanes(int D, F&& f) {
   if (D <= 4 * kVec) return f(std::integral_constant<int, 4>{});
   if (D <= 8 * kVec) return f(std::integral_constant<int, 8>{});
-  if (D <= 16 * kVec) return f(std::integral_constant<int, 16>{});
-  return cudaErrorInvalidValue;  // past the head dims of the build list (attention_cuda/build.py)
+  static_assert(16 * kVec == kRowMaxDim, "16 lanes a row at most");
+  if (D <= kRowMaxDim) return f(std::integral_constant<int, 16>{});
+  return cudaErrorInvalidValue;  // no head dim of a build (binding/register.cuh)
 }
 
 template <class T, int L>
@@ -246,6 +250,25 @@ __global__ void __launch_bounds__(kWarps * 32) dq_finalize_tiles_kernel(const Pa
   }
 }
 
+// The tiled epilogue at the head dims whose row in quadratic/tiles.h has the Hopper backwards (sm90), from
+// row I of kTileTable on.
+template <class T, size_t I = 0>
+cudaError_t dq_finalize_tiles(const Params& p, int D, cudaStream_t stream) {
+  if constexpr (I == std::size(kTileTable)) {
+    return cudaErrorInvalidValue;
+  } else {
+    constexpr HeadDimTiles kRow = kTileTable[I];
+    if constexpr (kRow.sm90) {
+      if (D == kRow.d) {
+        const int blocks = p.B * p.H * (dq_tiled_rows(p.I) / kDqTileRows);
+        dq_finalize_tiles_kernel<T, kRow.d><<<blocks, kWarps * 32, 0, stream>>>(p);
+        return cudaGetLastError();
+      }
+    }
+    return dq_finalize_tiles<T, I + 1>(p, D, stream);
+  }
+}
+
 }  // namespace
 
 cudaError_t run_row_rnorm(Dtype dtype, const void* x, RowStrides xs, int B, int H, int N, int D, int n_pad,
@@ -277,15 +300,9 @@ int64_t dq_accum_size(int B, int H, int I, int D) {
 
 cudaError_t run_dq_finalize(Dtype dtype, const Params& p, int D, bool tiles, cudaStream_t stream) {
   if (p.B * p.H == 0 || p.I == 0) return cudaSuccess;
-  if (tiles && D != 128 && D != 64) return cudaErrorInvalidValue;  // the Hopper backwards' head dims
   return by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    if (tiles) {
-      const int blocks = p.B * p.H * (dq_tiled_rows(p.I) / kDqTileRows);
-      if (D == 64) dq_finalize_tiles_kernel<T, 64><<<blocks, kWarps * 32, 0, stream>>>(p);
-      else dq_finalize_tiles_kernel<T, 128><<<blocks, kWarps * 32, 0, stream>>>(p);
-      return cudaGetLastError();
-    }
+    if (tiles) return dq_finalize_tiles<T>(p, D, stream);
     return with_row_lanes(D, [&](auto lanes) {
       dq_finalize_kernel<T, lanes><<<row_grid(p.B * p.H, p.I), kWarps * 32, 0, stream>>>(p, D);
       return cudaGetLastError();

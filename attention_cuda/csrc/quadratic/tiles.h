@@ -1,7 +1,9 @@
-// The tile sizes of the quadratic kernels: one row per head dim (kTileTable), and the choices that depend
-// on the element type alone. Every kernel's configuration (FwdConfig, BwdConfig here; Sm90Fwd, Sm90Bwd in
-// their files, which add the shared-memory layouts that follow) reads them from here. A head dim without
-// a row does not compile: a new head dim in build.py's HEAD_DIMS takes a row here.
+// Every choice of the kernels that depends on the head dim: one row per head dim (kTileTable), which the
+// quadratic kernels' configurations (FwdConfig, BwdConfig here; Sm90Fwd, Sm90Bwd in their files, which add the
+// shared-memory layouts that follow), the linear form's (LinConfig, LinState90, LinRead90), the registry
+// (which kernels a head dim has: binding/register.cuh) and the row passes (quadratic/rows.cu) read; and the
+// choices that depend on the element type alone. A head dim without a row does not compile: a new head dim in
+// build.py's HEAD_DIMS takes a row here, and nowhere else.
 #pragma once
 
 namespace attn {
@@ -26,16 +28,32 @@ struct HeadDimTiles {
   bool sm90;
   int sm90_fwd_wgs;
   bool sm90_bwd_ws;
+  // Fastmax's linear form (fp16/bf16). A head dim without a kernel of it is left out of the extension's
+  // sweep_head_dims or chunked_head_dims, and the plan sends no call there:
+  //  - the sweep (linear/linear.cuh), where sweep is set: the second-order rows a warp keeps, 12 registers
+  //    per feature group of its state and the state's B fragments; and whether row -1 rides in the part's
+  //    CTAs (fold) rather than CTAs of its own. The fold halves the CTAs at d32, where one part holds every
+  //    row; at d16 and d64 the registers it takes cost more than the CTAs it saves (bench/notes/run-12.md);
+  //  - the chunked kernels (linear/lin_sm90.cuh, sm_90a; their wgmma of N = D + 8 needs its instance in
+  //    common/wgmma.cuh), where chunked is set: lin_state's image tiles per warpgroup (its accumulators,
+  //    D + 8 columns a tile), and lin_read's blocks per SM for R1: two at d64, where their registers and
+  //    shared memory fit and they overlap each other's waits.
+  bool sweep;
+  int sweep_rows;
+  bool sweep_fold;
+  bool chunked;
+  int chunked_tiles;
+  int chunked_r1_blocks;
 };
 
 inline constexpr HeadDimTiles kTileTable[] = {
-    // D   | mma.sync fwd: | mma.sync bwd:         | wgmma: kernels  fwd         bwd:
-    //     | keys  Q regs  | K/V regs  fp32 rows   |        warpgroups  ws
-    {16,     64,   true,     true,     32,           false,   0,          false},
-    {32,     64,   true,     true,     32,           false,   0,          false},
-    {64,     64,   true,     true,     32,           true,    3,          true},
-    {96,     32,   false,    false,    16,           false,   0,          false},
-    {128,    32,   false,    false,    16,           true,    2,          false},
+    //    mma.sync fwd: mma.sync bwd:        wgmma:                    sweep:               chunked:
+    // D  keys  Q regs  K/V regs  fp32 rows  kernels  fwd WGs  bwd ws  kernel  rows  fold   kernels  tiles  R1 blocks
+    {16,  64,   true,   true,     32,        false,   0,       false,  true,   2,    false, false,   0,     0},
+    {32,  64,   true,   true,     32,        false,   0,       false,  true,   4,    true,  false,   0,     0},
+    {64,  64,   true,   true,     32,        true,    3,       true,   true,   2,    false, true,    3,     2},
+    {96,  32,   false,  false,    16,        false,   0,       false,  true,   1,    false, false,   0,     0},
+    {128, 32,   false,  false,    16,        true,    2,       false,  true,   1,    false, true,    2,     1},
 };
 
 constexpr HeadDimTiles tiles_of(int D) {
