@@ -59,8 +59,8 @@ def _softmax_across(cfg, group, device):
 
 
 def _cosine_across(cfg, group, device):
-    return functools.partial(cosine_ring_attention, group=group, causal=True, scale=cfg.cosine_scale, zigzag=True,
-                             backend=kernel_backend(cfg))
+    return functools.partial(cosine_ring_attention, group=group, causal=True, scale=cfg.cosine_scale,
+                             zigzag=family(cfg).zigzag, backend=kernel_backend(cfg))
 
 
 def _fastmax_options(cfg) -> dict:
@@ -69,7 +69,7 @@ def _fastmax_options(cfg) -> dict:
 
 
 def _fastmax_across(cfg, group, device):
-    return functools.partial(fastmax_context_parallel, group=group, causal=True, zigzag=False,
+    return functools.partial(fastmax_context_parallel, group=group, causal=True, zigzag=family(cfg).zigzag,
                              backend=kernel_backend(cfg), **_fastmax_options(cfg))
 
 
