@@ -237,7 +237,7 @@ def resolve(*, device: torch.device, dtype: torch.dtype, head_dim: int, keys: in
     if form not in FORMS:
         raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
     if form != "quadratic" and policy.kind != "fastmax":
-        raise ValueError(f"form: the linear form is for the polynomial family, got {policy.kind!r}")
+        raise ValueError(f"form: the linear form is for the fastmax family, got {policy.kind!r}")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout: expected a probability in [0, 1), got {dropout}")
     if exchange and form != "linear":

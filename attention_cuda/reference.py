@@ -346,7 +346,7 @@ def fastmax_linear(q, k, v, mask, causal: bool, policy: ScorePolicy, chunk: int 
     A key's features enter every later moment, so a non-finite one is kept out (_finite_inputs).
     """
     if policy.kind != "fastmax":
-        raise ValueError(f"policy: the linear form is for the polynomial family, got {policy.kind!r}")
+        raise ValueError(f"policy: the linear form is for the fastmax family, got {policy.kind!r}")
     if chunk < 1:
         raise ValueError(f"chunk: expected a positive number of rows, got {chunk}")
     q, k, v, poisoned = _finite_inputs(q, k, v, mask, causal)
