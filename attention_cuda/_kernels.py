@@ -112,7 +112,7 @@ def split_keys(q, k, v, mask, policy: ScorePolicy, dtype: torch.dtype, splits: i
         # A part whose keys the mask hides all has l = 0 and weighs nothing; a row no part lets see a key is
         # zeros, as the kernels give it.
         stat = calls[0].stat._replace(raw=torch.cat([c.stat.raw for c in calls]))
-        weight = stat.sums(stat.log2_sums().amax(0).clamp_min(torch.finfo(torch.float32).min))
+        weight = stat.part_sums(0)
         total = weight.sum(0)[..., None]
         rows.append(torch.where(total > 0, (out * weight[..., None]).sum(0) / total, 0))
     return torch.stack(rows).to(dtype)

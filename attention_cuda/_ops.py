@@ -77,22 +77,30 @@ class RowStat(NamedTuple):
     def is_log(self) -> bool:
         return is_log(self.policy, self.dtype, self.has_bias)
 
-    def log2_sums(self) -> torch.Tensor:
-        """log2 l per row (B, H, rows), -inf for a row that sees no key; under a fixed shift, of the shifted sum."""
-        stat = self.raw[..., :self.rows]
-        if self.is_log():
-            return torch.where(torch.isinf(stat), float("-inf"), stat)
-        return torch.where(stat > 0, -torch.log2(stat), float("-inf"))
-
     def sums(self, log2_shift=0.0) -> torch.Tensor:
         """l per row (B, H, rows), 0 for a row that sees no key. Under a fixed shift the kernels' own (the
         same for every call of the score, so sums of calls add as they are; log2_shift is not applied);
         under a running max the unshifted sum over 2^log2_shift (a float, or a tensor per row), which the
         caller picks to keep it finite."""
-        stat = self.raw[..., :self.rows]
         if self.is_log():
-            return torch.exp2(torch.where(torch.isinf(stat), float("-inf"), stat) - log2_shift)
+            return torch.exp2(self._log2_sums() - log2_shift)
+        return self._fixed_sums()
+
+    def part_sums(self, dim: int = 0) -> torch.Tensor:
+        """sums() of rows whose keys were split into parts along ``dim`` (a call's parts stacked), on one scale
+        across the parts: under a running max each row's over its largest part's."""
+        if not self.is_log():
+            return self._fixed_sums()
+        log2 = self._log2_sums()
+        return torch.exp2(log2 - log2.amax(dim).clamp_min(torch.finfo(torch.float32).min))
+
+    def _fixed_sums(self) -> torch.Tensor:
+        stat = self.raw[..., :self.rows]
         return torch.where(stat > 0, stat.reciprocal(), 0)
+
+    def _log2_sums(self) -> torch.Tensor:
+        stat = self.raw[..., :self.rows]
+        return torch.where(torch.isinf(stat), float("-inf"), stat)
 
     @classmethod
     def of_sums(cls, sums: torch.Tensor, policy: ScorePolicy, dtype: torch.dtype, log2_shift=0.0) -> RowStat:

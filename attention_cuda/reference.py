@@ -362,7 +362,7 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, policy: ScorePolicy, *, 
 
     The policy's math as quadratic does it: q and k scaled to norm qk_norm when it is
     set, x = scale q.k; "fastmax": f(x) = a0 + a1 x + a2 x^2 divided by its row sum; "cosine" (and
-    softmax, softmax_policy): softmax(x)."""
+    softmax: a cosine policy without qk_norm, scale 1 / sqrt(D)): softmax(x)."""
     if policy.kind not in ("cosine", "fastmax") or not policy.normalize_rows:
         raise ValueError(f"policy: expected a row-normalised cosine/softmax or fastmax policy, got {policy.kind!r}")
     if window < 0:

@@ -110,7 +110,7 @@ def exp_policy(scale: float) -> ScorePolicy:
 
 
 def fastmax_policy(p: int, a0: float, a1: float, a2: float, temperature: float,
-                normalize: bool, lim: float) -> ScorePolicy:
+                   normalize: bool, lim: float) -> ScorePolicy:
     check_fastmax_coefficients(p, a0, a1, a2, temperature, normalize, lim)
     return ScorePolicy("fastmax", 1.0 / temperature, float(lim) if normalize else None,
                        float(a0), float(a1), float(a2) if p == 2 else 0.0)
