@@ -112,6 +112,18 @@ def compare(cases, call, dtype):
     assert not problems, "\n".join(problems)
 
 
+def test_the_extension_reports_the_build_lists_head_dims():
+    """What the plan routes by (the ops' head-dim lists) is what build.py compiled: every head dim for every
+    dtype; the linear form's sweep where build.py marks the dtype linear; the decode kernel at each of them."""
+    reason = _extension.unavailable_reason()
+    assert reason is None, reason
+    for dt in DTYPES:
+        assert _extension.compiled_head_dims(dt) == tuple(HEAD_DIMS), dt
+        assert _extension.sweep_head_dims(dt) == (tuple(HEAD_DIMS) if dt in LINEAR_DTYPES else ()), dt
+        assert _extension.decode_head_dims(dt) == tuple(HEAD_DIMS), dt
+        assert set(_extension.chunked_head_dims(dt)) <= set(_extension.sweep_head_dims(dt)), dt
+
+
 @pytest.mark.parametrize("family,flag", [(fam, flag) for fam in FAMILIES for flag in FLAGS
                                          if flag != "bias" or FAMILIES[fam][1]])
 @pytest.mark.parametrize("d", HEAD_DIMS)
