@@ -148,7 +148,9 @@ def train_argv(p: Protocol, job: Job, out_dir: str) -> tuple[str, ...]:
             "--eval_interval", str(every), "--ckpt_interval", str(job.steps), "--sample_tokens", "0",
             "--device", p.device, "--out_dir", out_dir, "--run_name", job.name, "--resume", "auto",
             "--wandb-mode", p.wandb_mode, "--wandb_group", p.wandb_group,
-            "--wandb_tags", f"study,{job.phase},{job.variant},T{job.seq_len},conv{job.conv}"]
+            # A recall run's short convolution is its config's, not the protocol's: its tag names the pairs.
+            "--wandb_tags", f"study,{job.phase},{job.variant},T{job.seq_len},"
+                            + (f"P{job.pairs}" if recall else f"conv{job.conv}")]
     if recall:
         argv += ["--task", "recall", "--recall_pairs", str(job.pairs), "--stop_accuracy", f"{p.stop_accuracy:g}"]
     else:

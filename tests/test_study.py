@@ -56,6 +56,8 @@ def test_the_budget_is_sized_to_the_data_and_every_run_shares_it(capsys, data_pa
     assert all(c.keep_best and c.final_eval_max_windows == c.eval_max_windows for c in sweep + grid)
     assert all(c.min_lr == pytest.approx(c.lr / 10) and c.sample_tokens == 0 for c in configs)
     assert {(c.seq_len, c.recall_pairs, c.stop_accuracy) for c in recall} == {(256, 16, 0.99)}
+    assert {c.wandb_tags.split(",")[-1] for c in grid} == {"conv0", "conv3"}
+    assert {c.wandb_tags.split(",")[-1] for c in recall} == {"P16"}  # configs/recall's convolution, not conv0
     evaluations = [line for line in out if line.startswith("python scripts/evaluate.py ")]
     assert len(evaluations) == len(grid)
     assert any("--same-target 256,1024,4096,16384,32768,65536 --targets 2048 --window 67584" in e for e in evaluations)
