@@ -13,7 +13,7 @@ Every run is a `python train.py` (study/jobs.py writes its flags; grid runs are 
 scripts/evaluate.py) from a shared queue over the GPUs (study/runner.py). The phases (study/jobs.py says what
 each is, study/phases.py runs them in order): a learning-rate sweep per attention and short_conv at the shortest
 and longest context, the grid (attention x short_conv x context x seed), more seeds where a worded difference is
-under 3 standard errors, throughput and equal compute, and the associative-recall probe. Every enwik8 run trains
+not settled, throughput and equal compute, and the associative-recall probe. Every enwik8 run trains
 on --epochs passes over the train split and keeps its best-val checkpoint. A run with a result is not run again,
 so the same command after a stop (--time-limit, a crash, a killed machine) goes on where it was. The report
 (study/report.py) goes to --out: report.md, PNG plots and results.json with every run. All runs log to one
@@ -101,8 +101,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     add("--convs", type=conv_list, default=[0, 3], help="short_conv values, a factor of the grid (default 0,3)")
     add("--seq-lens", type=int_list, default=[1024, 8192, 32768], help="contexts, comma list (default 1024,8192,32768)")
     add("--seeds", type=int_list, default=[1, 2, 3], help="the grid's seeds (default 1,2,3)")
-    add("--max-seeds", type=int, default=5, help="seeds a cell gets where a worded difference is under 3 standard "
-        "errors (default %(default)s)")
+    add("--max-seeds", type=int, default=5, help="seeds a cell gets where a worded difference is not settled: under "
+        "3 standard errors, or not established after Holm's correction (default %(default)s)")
     add("--sweep-seed", type=int, default=0, help="the rate sweeps' seed, not one of the grid's (default %(default)s)")
     add("--epochs", type=float, default=2.0, help="passes over the train split per enwik8 run: the budget, sized to "
         "the data (default %(default)s)")

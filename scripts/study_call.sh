@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # One call of the study on a lent GPU machine, resumable across calls and machines: the runs finished in
 # earlier calls travel in as a tarball, compare.py goes on from them for --time-limit seconds, and what is
-# finished then (each run's result.json, metrics.jsonl, evaluation.json, study.log; no checkpoints) travels back
-# with the report. A run the deadline cuts short starts again in the next call.
+# finished then travels back with the report: each run's result.json, which holds all the report reads (the
+# summary of its metrics.jsonl, its evaluation.json), and its study.log; not the per-step metrics.jsonl nor the
+# checkpoints, which would outgrow the 64 MiB a call may carry. A run the deadline cuts short starts again in
+# the next call.
 #
-#   carry .carry (wheels, data, study.tgz from the last call) and run:
+#   carry .carry (wheels, data) and run:
 #   TIME_LIMIT=420 bash scripts/study_call.sh [compare.py options]
-#   then, here: cp <files_at>/study.tgz .carry/study.tgz
+#   then, here: cp <files_at>/study.tgz bench/runs/study-progress.tgz (tracked, so it travels with the tree:
+#   one copy, where a second in .carry would crowd the 64 MiB a call may carry)
 #
-# Environment: STUDY_TGZ (default .carry/study.tgz), RUNS (default /tmp/runs), NAME (default study),
+# Environment: STUDY_TGZ (default bench/runs/study-progress.tgz), RUNS (default /tmp/runs), NAME (default study),
 # TIME_LIMIT (seconds for compare.py, default 420), OUT (where the tarball and report go; default out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 RUNS=${RUNS:-/tmp/runs}
 NAME=${NAME:-study}
-STUDY_TGZ=${STUDY_TGZ:-.carry/study.tgz}
+STUDY_TGZ=${STUDY_TGZ:-bench/runs/study-progress.tgz}
 mkdir -p "$OUT" "$RUNS/$NAME"
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline
 say() { echo "== $(date +%T) $*"; }
@@ -44,7 +47,7 @@ code=$?
 tail -n 30 "$OUT/compare.log"
 # Finished runs only: a run without an ok result.json is run again from scratch by the next call.
 (cd "$RUNS/$NAME" && grep -l '"status": "ok"' -- */result.json 2>/dev/null | xargs -r -n1 dirname \
-  | while read -r run; do ls "$run"/result.json "$run"/metrics.jsonl "$run"/evaluation.json "$run"/study.log \
+  | while read -r run; do ls "$run"/result.json "$run"/study.log \
       "$run"/throughput.json "$run"/throughput.md 2>/dev/null; done) > "$OUT/carried.txt"
 tar -czf "$OUT/study.tgz" -C "$RUNS/$NAME" -T "$OUT/carried.txt"
 say "carried out: $(wc -l < "$OUT/carried.txt") files, $(du -h "$OUT/study.tgz" | cut -f1)"

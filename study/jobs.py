@@ -10,8 +10,8 @@ Phases, in order; study/phases.py runs them, each decided from the results of th
   context nearest it in log scale. Afterwards each run's best checkpoint is scored on the test split by
   scripts/evaluate.py: the same target bytes with the context cut to each of CUTS (up to twice the trained
   context), and the sliding-window test bpc at the trained context.
-- seeds: the cells of every comparison the report words that differs by under 3 standard errors get seeds
-  up to max_seeds.
+- seeds: the cells of every comparison the report words that the grid's seeds do not settle (under 3 standard
+  errors, or not established after Holm's correction: phases.cells_needing_seeds) get seeds up to max_seeds.
 - throughput: training tokens/s of every variant at every context, measured alone on a GPU
   (scripts/throughput.py): the tokens/s the report quotes, and what the equal-compute phase scales by.
 - compute: equal compute beside equal tokens: every variant but the reference (softmax) again, its steps
@@ -51,7 +51,7 @@ class Protocol:
     convs: tuple[int, ...]  # short_conv values: a factor of the grid, for every attention
     seq_lens: tuple[int, ...]
     seeds: tuple[int, ...]  # the grid's seeds
-    max_seeds: int  # seeds a cell gets where a worded comparison differs by under 3 standard errors
+    max_seeds: int  # seeds a cell gets where a worded comparison is not settled (phases.cells_needing_seeds)
     sweep_seed: int
     epochs: float
     train_bytes: int  # the train split's size, which the budget is sized to

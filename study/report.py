@@ -3,9 +3,9 @@
 What it compares is each run's test bpc from its best-val checkpoint at its trained context (phases.metric).
 Differences are paired over seeds (each seed gives every attention the same data order and initial weights),
 with t-based 95% intervals and Holm-adjusted p-values over every comparison the report words
-(phases.comparisons); a difference is worded as one only where its Holm-adjusted p is under 0.05, and
-otherwise as within noise. Curves over target bytes (the same-target context curve) carry a paired bootstrap
-band over seeds and 64-byte blocks.
+(phases.paired_comparisons); a difference is worded as one only where phases.established says so, otherwise as within
+noise, or as not established (Holm) where only its unadjusted interval excludes 0. Curves over target bytes
+(the same-target context curve) carry a paired bootstrap band over seeds and 64-byte blocks.
 """
 from __future__ import annotations
 
@@ -21,15 +21,14 @@ from data.enwik8 import ENWIK8_SIZE, split_sizes
 from lab.cli import fmt
 from model.variants import VARIANTS
 from study.jobs import Protocol
-from study.phases import (cell_values, chosen_rates, comparisons, metric, next_rates, recall_rates, speeds,
-                          sweep_scores)
-from study.stats import bootstrap_mean_grouped, fmt_interval, holm, mean_interval, paired
+from study.phases import (ALPHA, cell_values, chosen_rates, established, metric, next_rates, recall_rates,
+                          speeds, sweep_scores, paired_comparisons)
+from study.stats import bootstrap_mean_grouped, fmt_interval, mean_interval, paired
 
 QUALITY_FLOOR_BPC = 2.0  # a model of this size that learned anything is well below it on enwik8
 MEMORISING_BPC = 0.02  # a final val bpc this far above the run's best evaluation: it began to memorise
 HOLDS = 1.02  # the unseen half "holds" when its bpc is at most this times the trained context's (upper bound)
 SOLVED = 0.95  # recall test accuracy from which a run counts as having solved its cell (chance is 1/128)
-ALPHA = 0.05
 
 
 def label(variant: str) -> str:
@@ -64,22 +63,12 @@ class Report:
         for r in results:
             if r["phase"] in ("grid", "seeds") and r["status"] == "ok":
                 self.grid[r["variant"], r["conv"], r["seq_len"]].append(r)
-        self.tests = self._tests()
+        self.tests = paired_comparisons(protocol, results)
 
     def runs(self, v: str, c: int, t: int) -> list[dict]:
         return self.grid.get((v, c, t), [])
 
     # ------------------------------------------------------------------ statistics
-
-    def _tests(self) -> list[dict]:
-        """Every worded comparison: its paired difference over seeds and Holm-adjusted p."""
-        tests = []
-        for what, a, b in comparisons(self.p):
-            tests.append({"what": what, "a": a, "b": b,
-                          "diff": paired(cell_values(self.results, *a), cell_values(self.results, *b))})
-        for test, adjusted in zip(tests, holm([t["diff"].p for t in tests])):
-            test["holm"] = adjusted
-        return tests
 
     def test(self, a: tuple, b: tuple) -> dict | None:
         return next((t for t in self.tests if t["a"] == a and t["b"] == b), None)
@@ -87,11 +76,15 @@ class Report:
     @staticmethod
     def words(test: dict, lower: str, higher: str) -> str:
         """The difference b - a in words: `lower` where b is lower beyond noise (Holm-adjusted), `higher` where it
-        is higher, else within noise; always with its interval."""
+        is higher; else within noise, or not established (Holm) where only the unadjusted interval excludes 0;
+        always with its interval."""
         d = test["diff"]
         if d.n < 2:
             return f"not measured ({d.n} paired seed(s))"
-        verdict = (lower if d.mean < 0 else higher) if test["holm"] < ALPHA and d.excludes_zero else "within noise"
+        if established(test):
+            verdict = lower if d.mean < 0 else higher
+        else:
+            verdict = "not established (Holm)" if d.excludes_zero else "within noise"
         return f"{verdict}: {d.mean:+.3f} bpc [{d.low:+.3f}, {d.high:+.3f}] (n={d.n}, Holm p = {test['holm']:.3g})"
 
     def same_target(self, v: str, c: int, t: int, cut: int, base: int) -> tuple[float, float, float, float] | None:
@@ -443,8 +436,9 @@ class Report:
                  "checkpoint kept; bf16 autocast on GPUs.",
                  f"- Factors: attention ({', '.join(f'`{v}`' for v in p.variants)}) x short_conv "
                  f"({', '.join(map(str, p.convs))}) x context ({', '.join(f'{t:,}' for t in p.seq_lens)} bytes) x "
-                 f"seeds ({', '.join(map(str, p.seeds))}, up to {p.max_seeds} where a difference is under 3 "
-                 "standard errors); a seed gives every attention the same data order and initial weights.",
+                 f"seeds ({', '.join(map(str, p.seeds))}, up to {p.max_seeds} where a difference is not settled: "
+                 "under 3 standard errors, or not established after Holm's correction); a seed gives every "
+                 "attention the same data order and initial weights.",
                  f"- wandb group `{p.wandb_group}` (mode {p.wandb_mode}); every run's result.json is in results.json.",
                  ""]
         if floor:

@@ -86,15 +86,17 @@ def test_same_target_equals_a_naive_loop_of_one_forward_per_sub_window():
                     _, loss = model(sub[:, :-1], sub[:, 1:], reduction="none")
                     naive[k, i, j * s:(j + 1) * s] = loss[0, cut - s:].double().numpy()
     model.train()
-    np.testing.assert_array_equal(losses, naive)
+    # Equal up to float32 rounding: a batch of sub-windows and one at a time may take different GEMM blockings
+    # (bitwise equal on some CPUs, not on others); a wrong window or offset would be off by far more.
+    np.testing.assert_allclose(losses, naive, rtol=1e-5, atol=1e-6)
 
     result = same_target_losses(model, split, cuts, targets, window, CPU, NO_AUTOCAST, max_windows=2, block=16,
                                 tokens_per_batch=100)
     assert model.training  # its mode restored
     assert {k: result[k] for k in ("cuts", "targets", "window", "windows", "block")} == {
         "cuts": cuts, "targets": targets, "window": window, "windows": 2, "block": 16}
-    np.testing.assert_allclose(result["block_loss"], naive[:, :2].reshape(4, 2, 3, 16).mean(-1), rtol=1e-12)
-    np.testing.assert_allclose(result["bpc"], naive[:, :2].mean(axis=(1, 2)) / math.log(2), rtol=1e-12)
+    np.testing.assert_allclose(result["block_loss"], naive[:, :2].reshape(4, 2, 3, 16).mean(-1), rtol=1e-6)
+    np.testing.assert_allclose(result["bpc"], naive[:, :2].mean(axis=(1, 2)) / math.log(2), rtol=1e-6)
 
 
 def test_same_target_scores_the_same_bytes_under_every_cut():

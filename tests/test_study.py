@@ -1,5 +1,5 @@
 """The long-context study on CPU: the plan (compare.py --dry-run) and its budget, the phases' decisions on made-up
-results (bracketing the rates, seeds where a difference is under 3 standard errors, equal compute, the recall
+results (bracketing the rates, seeds where a difference is not settled, equal compute, the recall
 rates), the queue and its resume, the report's statistics and words, and a tiny study end to end."""
 import dataclasses
 import json
@@ -15,10 +15,11 @@ import compare
 from lab.config import parse_args
 from study.jobs import (Job, Protocol, bracket, compute_jobs, grid_jobs, lr_table, make_job, swept_context,
                         sweep_jobs, throughput_jobs)
-from study.phases import (cells_needing_seeds, chosen_rates, comparisons, extra_seeds, next_rates, recall_rates,
-                          run_study)
+from study.phases import (cells_needing_seeds, chosen_rates, comparisons, established, extra_seeds, next_rates,
+                          paired_comparisons, recall_rates, run_study)
 from study.report import Report
 from study.runner import Runner, StudyError, command_lines, read_result
+from study.stats import paired
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TINY_MODEL = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32"]
@@ -114,7 +115,7 @@ def grid_result(v, c, t, seed, test_bpc, phase="grid", lr=2e-3, **more):
             "evaluation": {"bpc": test_bpc}, "commands": [], **more}
 
 
-def test_cells_whose_difference_is_under_three_standard_errors_get_more_seeds():
+def test_cells_whose_difference_is_not_settled_get_more_seeds():
     p = protocol(variants=("softmax", "cosine"), convs=(0,), seq_lens=(32,))
     noise = {1: -0.01, 2: 0.0, 3: 0.01}
     clear = [grid_result("softmax", 0, 32, s, 2.0 + noise[s]) for s in p.seeds] + [
@@ -124,6 +125,16 @@ def test_cells_whose_difference_is_under_three_standard_errors_get_more_seeds():
         grid_result("cosine", 0, 32, s, 2.0 + noise[s] * (-1) ** s) for s in p.seeds]
     assert cells_needing_seeds(p, close) == {("softmax", 0, 32), ("cosine", 0, 32)}
     assert extra_seeds(p) == (4, 5)
+    # Over 3 standard errors (about 7) but, at 3 seeds, not established once the other comparisons count (Holm):
+    # its cells get seeds too.
+    four = protocol(variants=("softmax", "cosine"), convs=(0,), seq_lens=(32, 64))
+    shift, wobble = {1: 0.0, 2: 0.1, 3: 0.2}, {1: 0.05, 2: -0.07, 3: 0.02}
+    big = [r for s in four.seeds for r in (
+        grid_result("softmax", 0, 32, s, 2.0 + noise[s]), grid_result("cosine", 0, 32, s, 1.5 + noise[s] + shift[s]),
+        grid_result("softmax", 0, 64, s, 2.0 + wobble[s]), grid_result("cosine", 0, 64, s, 2.0 - wobble[s]))]
+    test = next(t for t in paired_comparisons(four, big) if (t["a"], t["b"]) == (("softmax", 0, 32), ("cosine", 0, 32)))
+    assert test["diff"].p < 0.05 and not test["diff"].under(3.0) and not established(test)
+    assert {("softmax", 0, 32), ("cosine", 0, 32)} <= cells_needing_seeds(four, big)
     more = grid_jobs(p, "runs", {("softmax", 0, 32): 2e-3, ("cosine", 0, 32): 2e-3}, seeds=extra_seeds(p),
                      cells={("cosine", 0, 32)})
     assert [(j.phase, j.variant, j.seed) for j in more] == [("seeds", "cosine", 4), ("seeds", "cosine", 5)]
@@ -308,6 +319,18 @@ def report_results(p: Protocol) -> list[dict]:
                 for v in p.variants for seed in (*p.seeds, p.sweep_seed) for t, n in p.recall_cells]
     results.append({**results[-1], "name": "broken", "status": "failed (exit 1): out of memory"})
     return results
+
+
+def test_a_difference_only_the_unadjusted_interval_calls_is_not_established():
+    # Seeds 1-3 differ by -0.10, -0.11, -0.12: the t interval excludes 0 (p ~ 0.004), but a Holm-adjusted p of 0.2
+    # (many comparisons) does not let the report call it.
+    diff = paired({1: 2.0, 2: 2.0, 3: 2.0}, {1: 1.90, 2: 1.89, 3: 1.88})
+    assert diff.excludes_zero
+    assert Report.words({"diff": diff, "holm": 0.2}, "lower", "higher").startswith(
+        "not established (Holm): -0.110 bpc")
+    assert Report.words({"diff": diff, "holm": 0.01}, "lower", "higher").startswith("lower: -0.110 bpc")
+    noisy = paired({1: 2.0, 2: 2.0, 3: 2.0}, {1: 1.8, 2: 2.1, 3: 2.05})
+    assert Report.words({"diff": noisy, "holm": 0.9}, "lower", "higher").startswith("within noise: ")
 
 
 def test_the_report_words_follow_the_statistics(tmp_path):
