@@ -12,7 +12,7 @@ Phases, in order; study/phases.py runs them, each decided from the results of th
   context), and the sliding-window test bpc at the trained context.
 - seeds: the cells of every comparison the report words that the grid's seeds do not settle (under 3 standard
   errors, or not established after Holm's correction: phases.cells_needing_seeds) get seeds up to max_seeds.
-- throughput: training tokens/s of every variant at every context, measured alone on a GPU
+- throughput: training tokens/s of every variant at every context, measured alone on a GPU, a process per context
   (scripts/throughput.py): the tokens/s the report quotes, and what the equal-compute phase scales by.
 - compute: equal compute beside equal tokens: every variant but the reference (softmax) again, its steps
   scaled by its tokens/s over the reference's at that context and short_conv.
@@ -121,7 +121,7 @@ class Job:
     @property
     def name(self) -> str:
         if self.phase == "throughput":
-            return f"throughput_c{self.conv}"
+            return f"throughput_c{self.conv}_T{self.seq_len}"
         # Recall runs take the short convolution of their config (recall_config), enwik8 runs the protocol's.
         what = f"_P{self.pairs}" if self.pairs is not None else f"_c{self.conv}"
         steps = f"_n{self.steps}" if self.phase == "compute" else ""
@@ -185,15 +185,19 @@ def make_job(p: Protocol, out_dir: str, phase: str, variant: str, seq_len: int, 
 
 
 def throughput_jobs(p: Protocol, out_dir: str) -> list[Job]:
-    """One scripts/throughput.py process: every variant at every context, compiled as the runs are, on random bytes
-    (what is timed is the step, not the data), with the largest short_conv: the convolution costs the same under
-    every attention, so one measurement serves every short_conv."""
-    job = Job("throughput", "all", max(p.seq_lens), 0, 0.0, max(p.convs))
-    argv = ("--variants", ",".join(p.variants), "--seq-lens", ",".join(map(str, p.seq_lens)),
-            "--tokens-per-step", str(p.tokens_per_step), "--warmup", "3", "--steps", "10",
-            "--device", "cpu" if p.device == "cpu" else "auto", "--out", f"{out_dir}/{job.name}/throughput",
-            "--", "--config", p.config, "--short_conv", str(job.conv), *p.extra)
-    return [dataclasses.replace(job, commands=(("scripts/throughput.py", *argv),))]
+    """A scripts/throughput.py process per context: every variant, compiled as the runs are, on random bytes (what
+    is timed is the step, not the data), with the largest short_conv: the convolution costs the same under every
+    attention, so one measurement serves every short_conv. Per context, so that the ratios at a context come from
+    one process and a deadline loses one context's compiles, not the phase's."""
+    jobs = []
+    for t in sorted(p.seq_lens):
+        job = Job("throughput", "all", t, 0, 0.0, max(p.convs))
+        argv = ("--variants", ",".join(p.variants), "--seq-lens", str(t),
+                "--tokens-per-step", str(p.tokens_per_step), "--warmup", "3", "--steps", "10",
+                "--device", "cpu" if p.device == "cpu" else "auto", "--out", f"{out_dir}/{job.name}/throughput",
+                "--", "--config", p.config, "--short_conv", str(job.conv), *p.extra)
+        jobs.append(dataclasses.replace(job, commands=(("scripts/throughput.py", *argv),)))
+    return jobs
 
 
 def sweep_jobs(p: Protocol, out_dir: str, rates: dict | None = None) -> list[Job]:

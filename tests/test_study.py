@@ -186,8 +186,8 @@ class FakeRunner:
                 "seq_len": job.seq_len, "seed": job.seed, "lr": job.lr, "steps": job.steps, "pairs": job.pairs,
                 "status": "ok", "commands": command_lines(job)}
         if job.phase == "throughput":
-            rows = [{"variant": v, "seq_len": t, "ok": True, "tokens_per_s": 2000.0 if v == "cosine" else 1000.0}
-                    for v in ("softmax", "cosine") for t in (32, 64)]
+            rows = [{"variant": v, "seq_len": job.seq_len, "ok": True,
+                     "tokens_per_s": 2000.0 if v == "cosine" else 1000.0} for v in ("softmax", "cosine")]
             return {**base, "throughput": {"results": rows}}
         if job.pairs is not None:
             return {**base, "test_accuracy": 1.0 if job.lr == 3e-3 else 0.5}
@@ -248,6 +248,18 @@ def test_the_queue_resumes_a_killed_run_skips_done_ones_and_retries_failures(tmp
     (longer,) = grid_jobs(dataclasses.replace(p, epochs=4.0), str(runs), {("softmax", 0, 32): 2e-3})
     with pytest.raises(StudyError, match="other settings .*grid_softmax_c0_T32"):
         runner.run([longer])
+
+
+def test_throughput_is_a_process_per_context_with_every_variant():
+    p = protocol()
+    jobs = throughput_jobs(p, "runs")
+    assert [j.seq_len for j in jobs] == sorted(p.seq_lens) and len({j.name for j in jobs}) == len(jobs)
+    for job in jobs:
+        (script, *argv), = job.commands
+        assert script == "scripts/throughput.py" and job.exclusive
+        assert argv[argv.index("--seq-lens") + 1] == str(job.seq_len)
+        assert argv[argv.index("--variants") + 1] == ",".join(p.variants)
+        assert argv[argv.index("--out") + 1] == f"runs/{job.name}/throughput"
 
 
 def test_throughput_has_its_gpu_alone_while_training_runs_share_it(tmp_path, monkeypatch):
