@@ -19,6 +19,8 @@ import numpy as np
 
 from data.enwik8 import ENWIK8_SIZE, split_sizes
 from lab.cli import fmt
+from lab.config import parse_args as parse_train_args
+from model.attention import layer_window
 from model.variants import VARIANTS
 from study.jobs import Protocol
 from study.phases import (ALPHA, cell_values, chosen_rates, established, metric, next_rates, recall_rates,
@@ -134,21 +136,32 @@ class Report:
         lines += self.context_words()
         return lines
 
+    def context_use(self, v: str, c: int) -> tuple[int, int, float, float, float, str] | None:
+        """Whether (v, c) trained at the longest context uses it: (the longest cut within it, the shortest cut,
+        the same target bytes' bpc at the one less at the other with its band, and that in words); None unscored."""
+        p = self.p
+        long = max(p.seq_lens)
+        base = min(p.cuts_for(long))
+        top = max(c for c in p.cuts_for(long) if c <= long)
+        s = self.same_target(v, c, long, top, base)
+        if s is None:
+            return None
+        _, d, low, high = s
+        uses = ("uses it: the same bytes score lower" if high < 0 else
+                "does not use it beyond noise" if low <= 0 else "scores them worse with more context")
+        return top, base, d, low, high, uses
+
     def context_words(self) -> list[str]:
         """Whether each attention uses its long context: the same target bytes scored with the context cut to
         256 bytes against the longest cut within the trained context; and the unseen half."""
         p, lines = self.p, []
         long = max(p.seq_lens)
-        base = min(p.cuts_for(long))
-        top = max(c for c in p.cuts_for(long) if c <= long)
         for v in p.variants:
             for c in p.convs:
-                s = self.same_target(v, c, long, top, base)
-                if s is None:
+                use = self.context_use(v, c)
+                if use is None:
                     continue
-                _, d, low, high = s
-                uses = ("uses it: the same bytes score lower" if high < 0 else
-                        "does not use it beyond noise" if low <= 0 else "scores them worse with more context")
+                top, base, d, low, high, uses = use
                 line = (f"- **{label(v)}, short_conv {c}, trained at {long:,}**: with {top:,} bytes of context "
                         f"instead of {base:,}, it {uses} ({d:+.3f} bpc [{low:+.3f}, {high:+.3f}])")
                 unseen = self.same_target(v, c, long, 2 * long, long)
@@ -280,25 +293,85 @@ class Report:
                        f"{fmt_interval(diff)} |")
         return out + [""]
 
+    def block_groups(self, v: str) -> list[tuple[str, list[int], int]]:
+        """A variant's blocks by the attention they run, as (what, layers, window): one group, or for Based's
+        hybrid its full-context blocks and its sliding-window softmax ones (model.attention.layer_window), whose
+        weights differ in kind and would mislead averaged together."""
+        cfg, _ = parse_train_args(["--config", self.p.config, *VARIANTS[v].flags(), *self.p.extra])
+        groups = defaultdict(list)
+        for layer in range(cfg.n_layer):
+            groups[layer_window(cfg, layer)].append(layer)
+        if len(groups) == 1:
+            return [("", list(range(cfg.n_layer)), 0)]
+        return [(f"its {cfg.attention} blocks" if w == 0 else f"its {w}-byte sliding-window softmax blocks", layers, w)
+                for w, layers in sorted(groups.items())]
+
+    def concentration(self, v: str, c: int, t: int) -> list[tuple[str, int, dict]]:
+        """(what, window, {max_weight, entropy, entropy_uniform}) per block group of v (block_groups), means over its
+        layers' heads and the runs' seeds; [] without diagnostics. The logs keep only the model-wide mean of the
+        uniform entropy: a windowed block's is log(window) (every query scored sees its whole window: they are a
+        window's last 256 of at least 1,024), so the full-context blocks' is what remains of the mean."""
+        stats = [r["attention"] for r in self.runs(v, c, t) if "max_weight_heads" in r.get("attention", {})]
+        if not stats:
+            return []
+        groups = self.block_groups(v)
+        layers = sum(len(g[1]) for g in groups)
+        windowed = sum(len(g[1]) * math.log(g[2]) for g in groups if g[2])
+        full = sum(len(g[1]) for g in groups if not g[2])
+        out = []
+        for what, group, window in groups:
+            def mean(key: str) -> float:
+                return statistics.fmean(h for s in stats for layer in group for h in s[key][layer])
+            uniform = (math.log(window) if window else
+                       statistics.fmean((layers * s["entropy_uniform"] - windowed) / full for s in stats))
+            out.append((what, window, {"max_weight": mean("max_weight_heads"), "entropy": mean("entropy_heads"),
+                                       "entropy_uniform": uniform}))
+        return out
+
     def concentration_table(self) -> list[str]:
         p = self.p
-        rows = []
-        for v in p.variants:
-            for c in p.convs:
-                for t in p.seq_lens:
-                    stats = [r["attention"] for r in self.runs(v, c, t) if "attention" in r]
-                    if stats:
-                        mean = {k: statistics.fmean(s[k] for s in stats) for k in stats[0] if not isinstance(stats[0][k], list)}
-                        rows.append(f"| {label(v)} | {c} | {t:,} | "
-                                    + " | ".join(fmt(mean.get(k), ".3f") for k in CONCENTRATION) + " |")
+        rows = [f"| {label(v)}{', ' + what if what else ''} | {c} | {t:,} | "
+                + " | ".join(fmt(stats[k], ".3f") for k in CONCENTRATION) + " |"
+                for v in p.variants for c in p.convs for t in p.seq_lens for what, _, stats in self.concentration(v, c, t)]
         if not rows:
             return []
         return ["## How concentrated each attention's weights are", "",
                 "At the final evaluation, over the last queries of a val window (model/diagnostics.py): each head's "
                 "largest weight in a row and its weights' entropy (nats), averaged over queries, then over heads and "
-                "layers (and seeds); uniform: the entropy of equal weights on every visible key.", "",
+                "layers (and seeds); uniform: the entropy of equal weights on every visible key. A hybrid's "
+                "blocks are shown by the attention they run.", "",
                 "| variant | short_conv | context | " + " | ".join(CONCENTRATION.values()) + " |",
                 "| --- | ---: | ---: |" + " ---: |" * len(CONCENTRATION), *rows, ""]
+
+    def fastmax_words(self) -> list[str]:
+        """Issue 57's question of fastmax at long context: which of the studied fastmax variants (a short
+        convolution, Based's sliding-window hybrid) uses the long context, by the same-target curve, beside how
+        far its fastmax blocks' weights concentrate. In the hybrid only the fastmax blocks see past the window
+        (shorter than the shortest cut), so a gain from a longer cut is theirs."""
+        p = self.p
+        long = max(p.seq_lens)
+        family = [v for v in p.variants if dict(VARIANTS[v].settings).get("attention") == "fastmax"]
+        parts, using = [], []
+        for v in family:
+            for c in p.convs:
+                use = self.context_use(v, c)
+                blocks = next((stats for _, window, stats in self.concentration(v, c, long) if not window), None)
+                if use is None or blocks is None:
+                    continue
+                top, base, d, low, high, uses = use
+                parts.append(f"{label(v)}, short_conv {c}: {uses} ({d:+.3f} bpc [{low:+.3f}, {high:+.3f}] from "
+                             f"{base:,} to {top:,} bytes), its fastmax weights' largest {blocks['max_weight']:.3f} "
+                             f"(equal weights: {math.exp(-blocks['entropy_uniform']):.1e})")
+                if high < 0:
+                    using.append(f"{label(v)} with short_conv {c}")
+        if not parts:
+            return []
+        verdict = (f"Of these, {' and '.join(using)} use{'s' if len(using) == 1 else ''} the long context." if using
+                   else "None of these lets fastmax use the long context by this measure.")
+        return ["## Fastmax at long context", "",
+                f"Trained at {long:,} bytes, the same target bytes scored with the context cut from the shortest to "
+                "the longest cut within it (the table above), and how far the fastmax blocks' weights concentrate "
+                "(the table below): " + "; ".join(parts) + ".", "", verdict, ""]
 
     def recall_table(self) -> list[str]:
         p = self.p
@@ -460,7 +533,7 @@ class Report:
                   "## Learning rates", "", *self.rate_table(), "## Test bpc per attention, short_conv and context",
                   "", *self.main_table(), "## Paired differences", "", *self.test_table(),
                   "## Does each attention use its context?", "", *self.context_table(), *self.compute_table(),
-                  *self.concentration_table(), *self.recall_table()]
+                  *self.fastmax_words(), *self.concentration_table(), *self.recall_table()]
         for name in self.plots(out):
             lines += [f"![{name[:-4].replace('_', ' ')}]({name})", ""]
         if failed:

@@ -307,6 +307,11 @@ def block_losses(bpc: float, cuts, rng, spread: float = 0.02) -> dict:
     return {"cuts": list(cuts), "block_loss": losses, "targets": 128, "window": 256, "windows": 2, "block": 64}
 
 
+# What train.py logs as val/attn/* for a 1-layer, 2-head model (TINY_MODEL).
+ONE_LAYER_ATTENTION = {"max_weight": 0.3, "entropy": 2.0, "entropy_uniform": 4.0, "max_weight_heads": [[0.2, 0.4]],
+                       "entropy_heads": [[1.5, 2.5]]}
+
+
 def report_results(p: Protocol) -> list[dict]:
     rng = np.random.default_rng(0)
     results = [sweep_result(v, c, t, lr, 2.0 - lr * 10 if v == "softmax" else 2.0 + (lr - 2e-3) ** 2)
@@ -320,8 +325,7 @@ def report_results(p: Protocol) -> list[dict]:
                     evaluation = {"bpc": bpc, "sliding": {"bpc": bpc - 0.01},
                                   "same_target": block_losses(bpc, p.cuts_for(t), rng)}
                     results.append(grid_result(v, c, t, seed, bpc, lr=4e-3 if v == "softmax" else 2e-3,
-                                               evaluation=evaluation, attention={"max_weight": 0.3, "entropy": 2.0,
-                                                                                 "entropy_uniform": 4.0}))
+                                               evaluation=evaluation, attention=ONE_LAYER_ATTENTION))
     # One run began to memorise: its final val is 0.1 above its best.
     results[-1] = {**results[-1], "val_bpc": results[-1]["best_val_bpc"] + 0.1, "best_step": 3}
     # Recall: softmax solves the easiest cell with two seeds of three: the probe is invalid.
@@ -331,6 +335,30 @@ def report_results(p: Protocol) -> list[dict]:
                 for v in p.variants for seed in (*p.seeds, p.sweep_seed) for t, n in p.recall_cells]
     results.append({**results[-1], "name": "broken", "status": "failed (exit 1): out of memory"})
     return results
+
+
+def test_a_hybrids_blocks_are_shown_by_the_attention_they_run_and_fastmax_gets_its_verdict(tmp_path):
+    # Two blocks: block 1 is Based's 64-byte sliding-window softmax (model.attention.layer_window), block 0 fastmax.
+    p = protocol(variants=("softmax", "fastmax-swa"), convs=(0,), seq_lens=(32, 64),
+                 extra=("--n_layer", "2", "--n_head", "2", "--n_embd", "32"))
+    attention = {"max_weight_heads": [[0.01, 0.03], [0.6, 0.8]], "entropy_heads": [[3.0, 3.2], [1.0, 1.2]],
+                 "entropy_uniform": (4.0 + math.log(64)) / 2, "max_weight": 0.36, "entropy": 2.1}
+    rng = np.random.default_rng(0)
+    results = [grid_result(v, 0, t, seed, 1.8, attention=attention,
+                           evaluation={"bpc": 1.8, "same_target": block_losses(1.8, p.cuts_for(t), rng)})
+               for seed in p.seeds for t in p.seq_lens for v in p.variants]
+    Report(p, results, [], "CPU", "python compare.py", 1).write(tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    table = md.split("## How concentrated each attention's weights are")[1].split("##")[0]
+    hybrid = "| fastmax + sliding-window softmax (our kernels; Based), its "
+    assert f"{hybrid}fastmax blocks | 0 | 64 | 0.020 | 3.100 | 4.000 |" in table  # the uniform: the mean less log 64
+    assert f"{hybrid}64-byte sliding-window softmax blocks | 0 | 64 | 0.700 | 1.100 | 4.159 |" in table
+    assert "| softmax (SDPA) | 0 | 64 | 0.360 | 2.100 | 4.079 |" in table  # one group: every block's mean
+    fastmax = md.split("## Fastmax at long context")[1].split("##")[0]
+    assert "short_conv 0: uses it: the same bytes score lower" in fastmax
+    assert "its fastmax weights' largest 0.020" in fastmax
+    assert ("Of these, fastmax + sliding-window softmax (our kernels; Based) with short_conv 0 uses the long "
+            "context.") in fastmax
 
 
 def test_a_difference_only_the_unadjusted_interval_calls_is_not_established():
