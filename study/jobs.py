@@ -15,7 +15,8 @@ Phases, in order; study/phases.py runs them, each decided from the results of th
 - throughput: training tokens/s of every variant at every context, measured alone on a GPU, a process per context
   (scripts/throughput.py): the tokens/s the report quotes, and what the equal-compute phase scales by.
 - compute: equal compute beside equal tokens: every variant but the reference (softmax) again, its steps
-  scaled by its tokens/s over the reference's at that context and short_conv.
+  scaled by its tokens/s over the reference's at that context and short_conv; its best checkpoint scored on
+  the test split as the grid's are (without their context curves).
 - recall: a rate per variant on the easiest cell (sweep_seed), then every variant x cell x seed at it, each
   run ending as soon as its val accuracy reaches stop_accuracy (Zoology's protocol).
 
@@ -165,13 +166,15 @@ def train_argv(p: Protocol, job: Job, out_dir: str) -> tuple[str, ...]:
 
 
 def evaluate_argv(p: Protocol, job: Job, out_dir: str) -> tuple[str, ...]:
-    """scripts/evaluate.py's flags for a grid run: its best checkpoint on the test split, the same target bytes
-    at every cut up to twice its context, and the sliding-window bpc at its context (stride a quarter of it)."""
+    """scripts/evaluate.py's flags for an enwik8 run: its best checkpoint on the test split in windows of its
+    context (the metric the study compares); for a grid run (grid, seeds) also the same target bytes at every cut
+    up to twice its context, and the sliding-window bpc at its context (stride a quarter of it)."""
     run_dir = f"{out_dir}/{job.name}"
-    return ("--ckpt", f"{run_dir}/best.pt", "--seq-len", str(job.seq_len), "--split", "test",
-            "--same-target", ",".join(map(str, p.cuts_for(job.seq_len))), "--targets", str(p.targets),
-            "--window", str(p.window), "--sliding-stride", str(max(1, job.seq_len // 4)), "--device", "auto",
-            "--out", f"{run_dir}/evaluation.json",
+    curves = (("--same-target", ",".join(map(str, p.cuts_for(job.seq_len))), "--targets", str(p.targets),
+               "--window", str(p.window), "--sliding-stride", str(max(1, job.seq_len // 4)))
+              if job.phase in ("grid", "seeds") else ())
+    return ("--ckpt", f"{run_dir}/best.pt", "--seq-len", str(job.seq_len), "--split", "test", *curves,
+            "--device", "auto", "--out", f"{run_dir}/evaluation.json",
             *(("--max-windows", str(p.test_windows)) if p.test_windows else ()))
 
 
@@ -179,7 +182,7 @@ def make_job(p: Protocol, out_dir: str, phase: str, variant: str, seq_len: int, 
              steps: int | None = None, pairs: int | None = None) -> Job:
     job = Job(phase, variant, seq_len, seed, lr, conv, p.steps if steps is None else steps, pairs)
     commands = [("train.py", *train_argv(p, job, out_dir))]
-    if phase in ("grid", "seeds"):
+    if phase in ("grid", "seeds", "compute"):
         commands.append(("scripts/evaluate.py", *evaluate_argv(p, job, out_dir)))
     return dataclasses.replace(job, commands=tuple(commands))
 

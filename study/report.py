@@ -277,7 +277,7 @@ class Report:
         p = self.p
         runs = defaultdict(list)
         for r in self.results:
-            if r["phase"] == "compute" and r["status"] == "ok":
+            if r["phase"] == "compute" and r["status"] == "ok" and metric(r) is not None:
                 runs[r["variant"], r["conv"], r["seq_len"]].append(r)
         if not runs:
             return []

@@ -153,6 +153,11 @@ def test_equal_compute_scales_each_attentions_steps_by_its_speed():
     (job,) = compute_jobs(p, "runs", {("softmax", 0, 32): 1e-3, ("cosine", 0, 32): 2e-3}, speed)
     assert (job.variant, job.steps, job.lr) == ("cosine", round(p.steps * 1.5), 2e-3)
     assert "--max_iters" in job.commands[0] and str(job.steps) in job.commands[0]
+    # Scored like the grid's runs (the metric its difference is taken on), without the grid's context curves.
+    (script, *argv), grid = job.commands[1], make_job(p, "runs", "grid", "cosine", 32, 1, 2e-3).commands[1]
+    assert script == "scripts/evaluate.py" and argv[:6] == ["--ckpt", f"runs/{job.name}/best.pt", "--seq-len", "32",
+                                                            "--split", "test"]
+    assert "--same-target" not in argv and "--sliding-stride" not in argv and "--same-target" in grid
     assert compute_jobs(p, "runs", {}, {("softmax", 0, 32): 1000.0}) == []  # no speed: left out
 
 
@@ -328,6 +333,9 @@ def report_results(p: Protocol) -> list[dict]:
                                                evaluation=evaluation, attention=ONE_LAYER_ATTENTION))
     # One run began to memorise: its final val is 0.1 above its best.
     results[-1] = {**results[-1], "val_bpc": results[-1]["best_val_bpc"] + 0.1, "best_step": 3}
+    # Equal compute: cosine again with twice the steps, 0.1 better than its equal-token runs.
+    results += [grid_result("cosine", 0, 32, seed, 1.5 + 0.01 * rng.standard_normal(), phase="compute", steps=20)
+                for seed in p.seeds]
     # Recall: softmax solves the easiest cell with two seeds of three: the probe is invalid.
     results += [{"name": f"recall_{v}_{seed}_{t}", "phase": "recall", "variant": v, "seed": seed, "seq_len": t,
                  "pairs": n, "lr": 3e-3, "status": "ok", "steps": 10, "conv": 0, "commands": [],
@@ -391,6 +399,8 @@ def test_the_report_words_follow_the_statistics(tmp_path):
     assert "**The probe is invalid**: softmax (SDPA) solved the easiest cell (32 bytes, 4 pairs) in 2 of 3" in md
     assert "| softmax (SDPA) | – | 2/3 | 2/3 |" in md  # no rate: its recall sweep is not in these results
     assert "## How concentrated each attention's weights are" in md and "| 0.300 | 2.000 | 4.000 |" in md
+    compute = md.split("## Equal compute")[1].split("##")[0]
+    assert "| cosine (PyTorch reference) | 0 | 32 | 20 | 1.5" in compute and "| -0.3" in compute
     assert "`broken`: failed (exit 1): out of memory" in md
     assert "Quality floor not met" not in md
     for name in ("test_bpc_by_context", "same_target_context"):
@@ -458,15 +468,20 @@ def test_a_tiny_study_runs_end_to_end_and_a_second_call_redoes_nothing(tmp_path,
     args = ["--device", "cpu", "--config", "configs/tiny_cpu", "--variants", "softmax,cosine", "--seq-lens", "32",
             "--convs", "0", "--seeds", "1,2", "--max-seeds", "2", "--epochs", "0.0005", "--tokens-per-step", "256",
             "--lrs", "2e-3", "--eval-tokens", "256", "--cuts", "16,32,64", "--targets", "64", "--test-windows", "2",
-            "--recall-cells", "", "--no-compute", "--data-path", data_path, "--wandb-mode", "disabled",
-            "--runs-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "report"), "--", *TINY_MODEL]
+            "--recall-cells", "32x4", "--recall-lrs", "1e-3,3e-3", "--recall-steps", "5", "--data-path", data_path,
+            "--wandb-mode", "disabled", "--runs-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "report"),
+            "--", *TINY_MODEL]
     assert compare.main(args) == 0
     results = json.loads((tmp_path / "report" / "results.json").read_text())["runs"]
-    assert sorted(r["phase"] for r in results) == ["grid"] * 4
-    assert all(r["status"] == "ok" and math.isfinite(r["evaluation"]["bpc"]) for r in results)
-    assert all(r["evaluation"]["same_target"]["cuts"] == [16, 32, 64] for r in results)
+    phases = [r["phase"] for r in results]
+    assert {p: phases.count(p) for p in phases} == {"grid": 4, "throughput": 1, "compute": 2, "recall": 4 + 4}
+    assert all(r["status"] == "ok" for r in results)
+    grid = [r for r in results if r["phase"] in ("grid", "compute")]
+    assert all(math.isfinite(r["evaluation"]["bpc"]) for r in grid)  # equal compute is scored as the grid is
+    assert all(r["evaluation"]["same_target"]["cuts"] == [16, 32, 64] for r in grid if r["phase"] == "grid")
     md = (tmp_path / "report" / "report.md").read_text()
     assert "## What the data says" in md and "Quality floor not met" in md  # a few steps learn nothing
+    assert "## Equal compute" in md and "## Associative recall" in md
     mtimes = {p: p.stat().st_mtime for p in (tmp_path / "runs").glob("*/*/metrics.jsonl")}
     assert compare.main(args) == 0
     assert {p: p.stat().st_mtime for p in mtimes} == mtimes
