@@ -27,6 +27,7 @@ from model.attention import layer_window, score_options
 # own work. Heads and queries are chunked to stay within it: at T = 32768 it is 2 heads x 256 queries, and the
 # measured peak of a layer's statistics was 216 MiB on an H200 (B = 2, 8 heads of D = 64; softmax, cosine, fastmax).
 CHUNK_BYTES = 256 * 2 ** 20
+QUERIES = 256  # the last positions of each sequence whose rows are measured, by default
 BYTES_PER_ELEMENT = 4 * 4
 
 
@@ -131,7 +132,7 @@ def _head_stats(q: torch.Tensor, k: torch.Tensor, policy: ScorePolicy, window: i
 
 
 @torch.no_grad()
-def attention_concentration(model, x: torch.Tensor, queries: int = 256) -> dict:
+def attention_concentration(model, x: torch.Tensor, queries: int = QUERIES) -> dict:
     """Per layer and head, how concentrated the attention weights of the last ``queries`` positions of each
     sequence of x (B, T) are (all T positions when T < queries), in one eval forward of the model on x.
 

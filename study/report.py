@@ -3,9 +3,9 @@
 What it compares is each run's test bpc from its best-val checkpoint at its trained context (phases.metric).
 Differences are paired over seeds (each seed gives every attention the same data order and initial weights),
 with t-based 95% intervals and Holm-adjusted p-values over every comparison the report words
-(phases.paired_comparisons); a difference is worded as one only where phases.established says so, otherwise as within
-noise, or as not established (Holm) where only its unadjusted interval excludes 0. Curves over target bytes
-(the same-target context curve) carry a paired bootstrap band over seeds and 64-byte blocks.
+(phases.paired_comparisons); a difference is worded as one only where phases.established says so, otherwise
+as within noise, or as not established (Holm) where only its unadjusted interval excludes 0. Curves over target
+bytes (the same-target context curve) carry a paired bootstrap band over seeds and 64-byte blocks.
 """
 from __future__ import annotations
 
@@ -21,10 +21,11 @@ from data.enwik8 import ENWIK8_SIZE, split_sizes
 from lab.cli import fmt
 from lab.config import parse_args as parse_train_args
 from model.attention import layer_window
+from model.diagnostics import QUERIES
 from model.variants import VARIANTS
 from study.jobs import Protocol
-from study.phases import (ALPHA, cell_values, chosen_rates, established, metric, next_rates, recall_rates,
-                          speeds, sweep_scores, paired_comparisons)
+from study.phases import (ALPHA, cell_values, chosen_rates, established, metric, next_rates, paired_comparisons,
+                          recall_rates, speeds, sweep_scores)
 from study.stats import bootstrap_mean_grouped, fmt_interval, mean_interval, paired
 
 QUALITY_FLOOR_BPC = 2.0  # a model of this size that learned anything is well below it on enwik8
@@ -303,14 +304,14 @@ class Report:
             groups[layer_window(cfg, layer)].append(layer)
         if len(groups) == 1:
             return [("", list(range(cfg.n_layer)), 0)]
-        return [(f"its {cfg.attention} blocks" if w == 0 else f"its {w}-byte sliding-window softmax blocks", layers, w)
-                for w, layers in sorted(groups.items())]
+        return [(f"its {cfg.attention} blocks" if w == 0 else f"its {w}-byte sliding-window softmax blocks",
+                 layers, w) for w, layers in sorted(groups.items())]
 
     def concentration(self, v: str, c: int, t: int) -> list[tuple[str, int, dict]]:
         """(what, window, {max_weight, entropy, entropy_uniform}) per block group of v (block_groups), means over its
         layers' heads and the runs' seeds; [] without diagnostics. The logs keep only the model-wide mean of the
-        uniform entropy: a windowed block's is log(window) (every query scored sees its whole window: they are a
-        window's last 256 of at least 1,024), so the full-context blocks' is what remains of the mean."""
+        uniform entropy: a windowed block's is log(window) where every query measured (a sequence's last QUERIES)
+        sees a whole window, and the full-context blocks' is what remains of the mean; None where not."""
         stats = [r["attention"] for r in self.runs(v, c, t) if "max_weight_heads" in r.get("attention", {})]
         if not stats:
             return []
@@ -318,11 +319,12 @@ class Report:
         layers = sum(len(g[1]) for g in groups)
         windowed = sum(len(g[1]) * math.log(g[2]) for g in groups if g[2])
         full = sum(len(g[1]) for g in groups if not g[2])
+        whole_windows = t - QUERIES + 1 >= max(g[2] for g in groups)  # the first row measured sees a window
         out = []
         for what, group, window in groups:
             def mean(key: str) -> float:
                 return statistics.fmean(h for s in stats for layer in group for h in s[key][layer])
-            uniform = (math.log(window) if window else
+            uniform = (None if windowed and not whole_windows else math.log(window) if window else
                        statistics.fmean((layers * s["entropy_uniform"] - windowed) / full for s in stats))
             out.append((what, window, {"max_weight": mean("max_weight_heads"), "entropy": mean("entropy_heads"),
                                        "entropy_uniform": uniform}))
@@ -332,7 +334,8 @@ class Report:
         p = self.p
         rows = [f"| {label(v)}{', ' + what if what else ''} | {c} | {t:,} | "
                 + " | ".join(fmt(stats[k], ".3f") for k in CONCENTRATION) + " |"
-                for v in p.variants for c in p.convs for t in p.seq_lens for what, _, stats in self.concentration(v, c, t)]
+                for v in p.variants for c in p.convs for t in p.seq_lens
+                for what, _, stats in self.concentration(v, c, t)]
         if not rows:
             return []
         return ["## How concentrated each attention's weights are", "",
@@ -359,9 +362,10 @@ class Report:
                 if use is None or blocks is None:
                     continue
                 top, base, d, low, high, uses = use
+                uniform = blocks["entropy_uniform"]
                 parts.append(f"{label(v)}, short_conv {c}: {uses} ({d:+.3f} bpc [{low:+.3f}, {high:+.3f}] from "
-                             f"{base:,} to {top:,} bytes), its fastmax weights' largest {blocks['max_weight']:.3f} "
-                             f"(equal weights: {math.exp(-blocks['entropy_uniform']):.1e})")
+                             f"{base:,} to {top:,} bytes), its fastmax weights' largest {blocks['max_weight']:.3f}"
+                             + (f" (equal weights: {math.exp(-uniform):.1e})" if uniform is not None else ""))
                 if high < 0:
                     using.append(f"{label(v)} with short_conv {c}")
         if not parts:

@@ -347,7 +347,7 @@ def report_results(p: Protocol) -> list[dict]:
 
 def test_a_hybrids_blocks_are_shown_by_the_attention_they_run_and_fastmax_gets_its_verdict(tmp_path):
     # Two blocks: block 1 is Based's 64-byte sliding-window softmax (model.attention.layer_window), block 0 fastmax.
-    p = protocol(variants=("softmax", "fastmax-swa"), convs=(0,), seq_lens=(32, 64),
+    p = protocol(variants=("softmax", "fastmax-swa"), convs=(0,), seq_lens=(64, 1024),
                  extra=("--n_layer", "2", "--n_head", "2", "--n_embd", "32"))
     attention = {"max_weight_heads": [[0.01, 0.03], [0.6, 0.8]], "entropy_heads": [[3.0, 3.2], [1.0, 1.2]],
                  "entropy_uniform": (4.0 + math.log(64)) / 2, "max_weight": 0.36, "entropy": 2.1}
@@ -359,8 +359,10 @@ def test_a_hybrids_blocks_are_shown_by_the_attention_they_run_and_fastmax_gets_i
     md = (tmp_path / "report.md").read_text()
     table = md.split("## How concentrated each attention's weights are")[1].split("##")[0]
     hybrid = "| fastmax + sliding-window softmax (our kernels; Based), its "
-    assert f"{hybrid}fastmax blocks | 0 | 64 | 0.020 | 3.100 | 4.000 |" in table  # the uniform: the mean less log 64
-    assert f"{hybrid}64-byte sliding-window softmax blocks | 0 | 64 | 0.700 | 1.100 | 4.159 |" in table
+    assert f"{hybrid}fastmax blocks | 0 | 1,024 | 0.020 | 3.100 | 4.000 |" in table  # the uniform: the mean less log 64
+    assert f"{hybrid}64-byte sliding-window softmax blocks | 0 | 1,024 | 0.700 | 1.100 | 4.159 |" in table
+    # At 64 bytes the rows measured (every position) do not all see a whole window: no uniform to split.
+    assert f"{hybrid}fastmax blocks | 0 | 64 | 0.020 | 3.100 | – |" in table
     assert "| softmax (SDPA) | 0 | 64 | 0.360 | 2.100 | 4.079 |" in table  # one group: every block's mean
     fastmax = md.split("## Fastmax at long context")[1].split("##")[0]
     assert "short_conv 0: uses it: the same bytes score lower" in fastmax
