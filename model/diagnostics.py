@@ -27,8 +27,8 @@ from model.attention import layer_window, score_options
 # own work. Heads and queries are chunked to stay within it: at T = 32768 it is 2 heads x 256 queries, and the
 # measured peak of a layer's statistics was 216 MiB on an H200 (B = 2, 8 heads of D = 64; softmax, cosine, fastmax).
 CHUNK_BYTES = 256 * 2 ** 20
-QUERIES = 256  # the last positions of each sequence whose rows are measured, by default
 BYTES_PER_ELEMENT = 4 * 4
+QUERIES = 256  # the last positions of each sequence whose rows are measured, by default
 
 
 def softmax_policy(head_dim: int) -> ScorePolicy:
