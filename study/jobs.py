@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from model.variants import VARIANTS
 
 PHASES = ("sweep", "grid", "seeds", "throughput", "compute", "recall")
+GRID_PHASES = ("grid", "seeds")  # the runs of the grid's cells: its seeds and those the seeds phase adds
 # Same-target context cuts (bytes), the default of Protocol.cuts. A run trained at T is scored at the cuts up to
 # 2T: those past T are the unseen half, beyond any context it trained on.
 CUTS = (256, 1024, 4096, 16384, 32768, 65536)
@@ -172,7 +173,7 @@ def evaluate_argv(p: Protocol, job: Job, out_dir: str) -> tuple[str, ...]:
     run_dir = f"{out_dir}/{job.name}"
     curves = (("--same-target", ",".join(map(str, p.cuts_for(job.seq_len))), "--targets", str(p.targets),
                "--window", str(p.window), "--sliding-stride", str(max(1, job.seq_len // 4)))
-              if job.phase in ("grid", "seeds") else ())
+              if job.phase in GRID_PHASES else ())
     return ("--ckpt", f"{run_dir}/best.pt", "--seq-len", str(job.seq_len), "--split", "test", *curves,
             "--device", "auto", "--out", f"{run_dir}/evaluation.json",
             *(("--max-windows", str(p.test_windows)) if p.test_windows else ()))
@@ -182,7 +183,7 @@ def make_job(p: Protocol, out_dir: str, phase: str, variant: str, seq_len: int, 
              steps: int | None = None, pairs: int | None = None) -> Job:
     job = Job(phase, variant, seq_len, seed, lr, conv, p.steps if steps is None else steps, pairs)
     commands = [("train.py", *train_argv(p, job, out_dir))]
-    if phase in ("grid", "seeds", "compute"):
+    if phase in (*GRID_PHASES, "compute"):
         commands.append(("scripts/evaluate.py", *evaluate_argv(p, job, out_dir)))
     return dataclasses.replace(job, commands=tuple(commands))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from study.jobs import (MAX_EXTENSIONS, Job, Protocol, bracket, compute_jobs, grid_jobs, lr_table,
+from study.jobs import (GRID_PHASES, MAX_EXTENSIONS, Job, Protocol, bracket, compute_jobs, grid_jobs, lr_table,
                         recall_jobs, recall_sweep_jobs, sweep_jobs, throughput_jobs)
 from study.stats import holm, paired
 
@@ -70,7 +70,7 @@ def metric(r: dict) -> float | None:
 def cell_values(results: list[dict], variant: str, conv: int, seq_len: int) -> dict[int, float]:
     """seed -> metric of the cell's finished grid (and added-seed) runs."""
     return {r["seed"]: metric(r) for r in results
-            if r["phase"] in ("grid", "seeds") and r["status"] == "ok" and metric(r) is not None
+            if r["phase"] in GRID_PHASES and r["status"] == "ok" and metric(r) is not None
             and (r["variant"], r["conv"], r["seq_len"]) == (variant, conv, seq_len)}
 
 

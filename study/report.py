@@ -14,6 +14,7 @@ import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,7 +24,7 @@ from lab.config import parse_args as parse_train_args
 from model.attention import layer_window
 from model.diagnostics import QUERIES
 from model.variants import VARIANTS
-from study.jobs import Protocol
+from study.jobs import GRID_PHASES, Protocol
 from study.phases import (ALPHA, cell_values, chosen_rates, established, metric, next_rates, paired_comparisons,
                           recall_rates, speeds, sweep_scores)
 from study.stats import bootstrap_mean_grouped, fmt_interval, mean_interval, paired
@@ -32,6 +33,17 @@ QUALITY_FLOOR_BPC = 2.0  # a model of this size that learned anything is well be
 MEMORISING_BPC = 0.02  # a final val bpc this far above the run's best evaluation: it began to memorise
 HOLDS = 1.02  # the unseen half "holds" when its bpc is at most this times the trained context's (upper bound)
 SOLVED = 0.95  # recall test accuracy from which a run counts as having solved its cell (chance is 1/128)
+
+
+class ContextUse(NamedTuple):
+    """The same target bytes scored with the longest cut within the trained context against the shortest."""
+    top: int  # the longest cut
+    base: int  # the shortest cut
+    diff: float  # bpc at top less bpc at base, mean over seeds
+    low: float  # its 95% paired bootstrap band
+    high: float
+    used: bool  # the band lies below 0: the longer context helps
+    words: str
 
 
 def label(variant: str) -> str:
@@ -64,7 +76,7 @@ class Report:
         self.hardware, self.command, self.params = hardware, command, params
         self.grid = defaultdict(list)  # (variant, conv, seq_len) -> ok grid and added-seed results
         for r in results:
-            if r["phase"] in ("grid", "seeds") and r["status"] == "ok":
+            if r["phase"] in GRID_PHASES and r["status"] == "ok":
                 self.grid[r["variant"], r["conv"], r["seq_len"]].append(r)
         self.tests = paired_comparisons(protocol, results)
 
@@ -137,9 +149,9 @@ class Report:
         lines += self.context_words()
         return lines
 
-    def context_use(self, v: str, c: int) -> tuple[int, int, float, float, float, str] | None:
-        """Whether (v, c) trained at the longest context uses it: (the longest cut within it, the shortest cut,
-        the same target bytes' bpc at the one less at the other with its band, and that in words); None unscored."""
+    def context_use(self, v: str, c: int) -> ContextUse | None:
+        """Whether (v, c) trained at the longest context uses it, from the same target bytes at the longest cut
+        within it against the shortest cut; None unscored."""
         p = self.p
         long = max(p.seq_lens)
         base = min(p.cuts_for(long))
@@ -150,7 +162,7 @@ class Report:
         _, d, low, high = s
         uses = ("uses it: the same bytes score lower" if high < 0 else
                 "does not use it beyond noise" if low <= 0 else "scores them worse with more context")
-        return top, base, d, low, high, uses
+        return ContextUse(top, base, d, low, high, high < 0, uses)
 
     def context_words(self) -> list[str]:
         """Whether each attention uses its long context: the same target bytes scored with the context cut to
@@ -162,7 +174,7 @@ class Report:
                 use = self.context_use(v, c)
                 if use is None:
                     continue
-                top, base, d, low, high, uses = use
+                top, base, d, low, high, _, uses = use
                 line = (f"- **{label(v)}, short_conv {c}, trained at {long:,}**: with {top:,} bytes of context "
                         f"instead of {base:,}, it {uses} ({d:+.3f} bpc [{low:+.3f}, {high:+.3f}])")
                 unseen = self.same_target(v, c, long, 2 * long, long)
@@ -361,12 +373,12 @@ class Report:
                 blocks = next((stats for _, window, stats in self.concentration(v, c, long) if not window), None)
                 if use is None or blocks is None:
                     continue
-                top, base, d, low, high, uses = use
+                top, base, d, low, high, _, uses = use
                 uniform = blocks["entropy_uniform"]
                 parts.append(f"{label(v)}, short_conv {c}: {uses} ({d:+.3f} bpc [{low:+.3f}, {high:+.3f}] from "
                              f"{base:,} to {top:,} bytes), its fastmax weights' largest {blocks['max_weight']:.3f}"
                              + (f" (equal weights: {math.exp(-uniform):.1e})" if uniform is not None else ""))
-                if high < 0:
+                if use.used:
                     using.append(f"{label(v)} with short_conv {c}")
         if not parts:
             return []
