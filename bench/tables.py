@@ -23,7 +23,6 @@ import importlib.util
 import json
 import os
 import re
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -498,44 +497,44 @@ STUDY = "bench/study/results.json"
 
 
 def study(src: Sources, link: Link) -> list[str]:
-    """The study's grid: per attention, final val bpc (mean ± std over seeds) and tokens/s per context."""
+    """The study's grid: per attention and short_conv, test bpc (mean [95% t interval] over seeds, as the report
+    computed it) and training tokens/s per context."""
     data = src.json(STUDY)
     try:
         p = data["protocol"]
-        grid = [r for r in data["runs"] if r["phase"] == "grid" and r["status"] == "ok"]
-        cells = {(v, n): [r for r in grid if (r["variant"], r["seq_len"]) == (v, n)]
-                 for v in p["variants"] for n in p["seq_lens"]}
-        missing = [f"{v} at {n}" for (v, n), runs in cells.items() if len(runs) != len(p["seeds"])]
-        if missing:
-            raise TableError(f"{STUDY}: the grid lacks seeds for {', '.join(missing)}")
-        rows = []
-        for v in p["variants"]:
-            bpc = [[r["val_bpc"] for r in cells[v, n]] for n in p["seq_lens"]]
-            speed = [statistics.median_high(r["tokens_per_s"] for r in cells[v, n]) for n in p["seq_lens"]]
-            rows.append([VARIANT_NAMES.get(v, v), *(_mean_std(b) for b in bpc), *(kilo(x) for x in speed)])
-        shortest = min(p["seq_lens"])
-        best = min(statistics.fmean(r["val_bpc"] for r in cells[v, shortest]) for v in p["variants"])
+        cells = {(c["variant"], c["conv"], c["seq_len"]): c for c in data["cells"]}
+        grid = [cells[v, conv, n] for v in p["variants"] for conv in p["convs"] for n in p["seq_lens"]]
+        speeds = any(c["tokens_per_s"] is not None for c in grid)
+        rows = [[VARIANT_NAMES.get(v, v), str(conv),
+                 *(_interval(cells[v, conv, n]["test_bpc"]) for n in p["seq_lens"]),
+                 *((kilo(cells[v, conv, n]["tokens_per_s"]) if cells[v, conv, n]["tokens_per_s"] else "–")
+                   for n in p["seq_lens"] if speeds)]
+                for v in p["variants"] for conv in p["convs"]]
+        seeds = sorted({c["seeds"] for c in grid})
         lengths = [thousands(n) for n in p["seq_lens"]]
-        caption = (f"The study (`make compare`), with its plots, learning-rate sweep, test bpc, train-val gap, "
-                   f"extrapolation and recall probe in {link('bench/study/report.md')}: final val bpc, mean ± std "
-                   f"over seeds {', '.join(map(str, p['seeds']))}, and training tokens/s (median run) per context. "
-                   f"Every run {p['steps']} steps of {thousands(p['tokens_per_step'])} tokens at its attention's "
-                   f"swept rate, {p['config']}, on {'the verified enwik8' if p['data_path'] is None else 'the 4 MB enwik8 prefix'}. "
-                   + f"The best val bpc at {thousands(shortest)} is {best:.2f} (models of this size reach about "
-                     f"1.1-1.3 on the full enwik8, trained to convergence). On one token budget the longer contexts "
-                     f"train on fewer sequences a step and under-fit (their train bpc is higher too): the report's "
-                     f"\"What it does not show\" says what this comparison cannot settle. "
-                   + f"Source: {link(STUDY)}, `{data['command']}` ({data['hardware']}).")
-    except (KeyError, TypeError, ZeroDivisionError) as e:
+        interim = (f"**Interim**: {data['missing']} of the {data['planned']} runs planned so far have not run, nor "
+                   "have the phases planned from their results. " if data["missing"] else "")
+        caption = (f"{interim}The study (`make compare`), with its paired differences (Holm-corrected), same-target "
+                   f"context curves, learning-rate sweep, memorising check and recall probe in "
+                   f"{link('bench/study/report.md')}: test bpc of each run's best-val checkpoint at its trained "
+                   f"context, mean [95% t interval] over {seeds[0] if len(seeds) == 1 else f'{seeds[0]}-{seeds[-1]}'} "
+                   f"seeds" + (", and training tokens/s measured alone on a GPU" if speeds else "") + ". "
+                   f"Every run {p['epochs']:g} epochs of "
+                   f"{'the verified enwik8' if p['data_path'] is None else 'the 4 MB enwik8 prefix (a pilot)'} at its "
+                   f"attention's swept rate, {p['config']}. Source: {link(STUDY)}, `{data['command']}` "
+                   f"({data['hardware']}).")
+    except (KeyError, TypeError, IndexError) as e:
         raise TableError(f"{STUDY}: not a compare.py study file ({e!r})") from e
-    return [*table(["attention", *(f"val bpc, {n}" for n in lengths), *(f"tokens/s, {n}" for n in lengths)], rows,
-                   right=set(range(1, 1 + 2 * len(lengths)))),
-            "",
-            caption]
+    header = ["attention", "short conv", *(f"test bpc, {n}" for n in lengths),
+              *(f"tokens/s, {n}" for n in lengths if speeds)]
+    return [*table(header, rows, right=set(range(1, len(header)))), "", caption]
 
 
-def _mean_std(values: list[float]) -> str:
-    return f"{statistics.fmean(values):.2f} ± {statistics.stdev(values) if len(values) > 1 else 0.0:.2f}"
+def _interval(bpc: list) -> str:
+    mean, low, high = bpc
+    if mean is None:
+        return "–"
+    return f"{mean:.2f}" if low is None else f"{mean:.2f} [{low:.2f}, {high:.2f}]"
 
 
 TABLES: dict[str, Callable[[Sources, Link], list[str]]] = {

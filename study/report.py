@@ -116,6 +116,19 @@ class Report:
         low, high = bootstrap_mean_grouped(groups)
         return statistics.fmean(at_cut), statistics.fmean(float(g.mean()) for g in groups), low, high
 
+    def cells(self) -> list[dict]:
+        """Each grid cell's test bpc (mean and 95% t interval over its seeds; None where undefined) and tokens/s,
+        as results.json records them for the docs' table (bench/tables.py, which does no statistics)."""
+        p, speed, out = self.p, speeds(self.p, self.results), []
+        for v in p.variants:
+            for c in p.convs:
+                for t in p.seq_lens:
+                    values = [m for m in map(metric, self.runs(v, c, t)) if m is not None]
+                    out.append({"variant": v, "conv": c, "seq_len": t, "seeds": len(values),
+                                "test_bpc": [None if math.isnan(x) else x for x in mean_interval(values)],
+                                "tokens_per_s": speed.get((v, c, t))})
+        return out
+
     def memorising(self) -> list[dict]:
         """Grid runs whose final val bpc is more than MEMORISING_BPC above their best evaluation."""
         return [r for runs in self.grid.values() for r in runs
@@ -401,12 +414,17 @@ class Report:
         t0, n0 = p.recall_cells[0]
         easiest = runs.get((p.reference, t0, n0), [])
         failed = sorted(r["seed"] for r in easiest if r["test_accuracy"] < SOLVED)
-        valid = len(easiest) == len(p.seeds) and not failed
-        verdict = (f"{label(p.reference)} solved the easiest cell ({t0:,} bytes, {n0} pairs) in every seed: the probe "
-                   "can tell the attentions apart." if valid else
-                   f"**The probe is invalid**: {label(p.reference)} solved the easiest cell ({t0:,} bytes, {n0} pairs) "
-                   f"in {len(easiest) - len(failed)} of {len(easiest)} finished seeds (of {len(p.seeds)}), so a failure "
-                   "here does not tell the attentions apart.")
+        cell = f"the easiest cell ({t0:,} bytes, {n0} pairs)"
+        if failed:
+            verdict = (f"**The probe is invalid**: {label(p.reference)} solved {cell} in {len(easiest) - len(failed)} "
+                       f"of {len(easiest)} finished seeds (of {len(p.seeds)}), so a failure here does not tell the "
+                       "attentions apart.")
+        elif len(easiest) == len(p.seeds):
+            verdict = f"{label(p.reference)} solved {cell} in every seed: the probe can tell the attentions apart."
+        else:  # an incomplete study's report: no seed has failed yet, nor have all run
+            verdict = (f"Not settled yet: {label(p.reference)} has solved {cell} in {len(easiest)} of "
+                       f"{len(p.seeds)} seeds so far; the probe tells the attentions apart only if it solves it "
+                       "in every seed.")
         out = ["## Associative recall", "",
                f"Multi-query associative recall (`--task recall`, `{p.recall_config}`), Zoology's protocol: each "
                f"attention's rate the best of {', '.join(f'{lr:g}' for lr in p.recall_lrs)} on the easiest cell "
@@ -558,8 +576,9 @@ class Report:
                   *[" ".join(c) for r in self.results[:1] for c in r["commands"]], "# ... every run's: results.json",
                   "```", ""]
         (out / "report.md").write_text("\n".join(lines))
-        (out / "results.json").write_text(json.dumps({"command": self.command, "hardware": self.hardware,
-                                                      "protocol": p.record(), "runs": self.results}, indent=1) + "\n")
+        (out / "results.json").write_text(json.dumps(
+            {"command": self.command, "hardware": self.hardware, "protocol": p.record(), "planned": len(self.jobs),
+             "missing": len(missing), "cells": self.cells(), "runs": self.results}, indent=1) + "\n")
 
 
 # The concentration diagnostics the report shows (the keys train.py logs as val/attn/<key>): key -> header.

@@ -409,6 +409,30 @@ def test_the_report_words_follow_the_statistics(tmp_path):
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == PNG_MAGIC and f"]({name}.png)" in md
     saved = json.loads((tmp_path / "results.json").read_text())
     assert len(saved["runs"]) == len(results) and saved["protocol"]["seeds"] == [1, 2, 3]
+    # The per-cell summary the docs' table reads (bench/tables.py does no statistics of its own).
+    cell = next(c for c in saved["cells"] if (c["variant"], c["conv"], c["seq_len"]) == ("cosine", 0, 32))
+    mean, low, high = cell["test_bpc"]
+    assert cell["seeds"] == 3 and low < mean < high and abs(mean - 1.6) < 0.03
+    assert len(saved["cells"]) == len(p.variants) * len(p.convs) * len(p.seq_lens)
+
+
+def test_the_recall_probe_is_unsettled_until_softmax_has_run_every_seed(tmp_path):
+    p = protocol()
+    (t, n), seeds = p.recall_cells[0], p.seeds
+
+    def recall(seed: int, accuracy: float) -> dict:
+        return {"name": f"recall_softmax_{seed}", "phase": "recall", "variant": "softmax", "seed": seed,
+                "seq_len": t, "pairs": n, "lr": 3e-3, "status": "ok", "steps": 10, "conv": 0, "commands": [],
+                "test_accuracy": accuracy}
+
+    def verdict(results: list[dict]) -> str:
+        Report(p, results, [], "CPU", "python compare.py", 1).write(tmp_path)
+        return (tmp_path / "report.md").read_text().split("## Associative recall")[1].split("|")[0]
+
+    assert "Not settled yet: softmax (SDPA) has solved the easiest cell (32 bytes, 4 pairs) in 0 of 3" in verdict([])
+    assert "Not settled yet" in verdict([recall(seeds[0], 1.0)])
+    assert "**The probe is invalid**" in verdict([recall(seeds[0], 0.01)])  # one failure settles it
+    assert "in every seed: the probe can tell the attentions apart" in verdict([recall(s, 1.0) for s in seeds])
 
 
 def test_a_pilot_says_so_and_how_to_run_the_full_study(tmp_path):
