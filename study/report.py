@@ -481,23 +481,26 @@ class Report:
         save(fig, "test_bpc_by_context.png", f"Test bpc against context (mean, 95% t interval over seeds)\n"
                                              f"{p.epochs:g} epochs x {p.train_bytes:,} bytes per run")
 
+        # The change from the shortest cut, not the bpc itself: the attentions' levels differ by up to 1.5 bpc
+        # (the main table has them), their gains from context by hundredths, which a shared level axis hides.
         long = max(p.seq_lens)
-        fig, axes = plt.subplots(1, len(p.convs), figsize=(5.5 * len(p.convs), 4.3), sharey=True, squeeze=False)
+        base = min(p.cuts_for(long))
+        fig, axes = plt.subplots(1, len(p.convs), figsize=(5.5 * len(p.convs), 4.3), squeeze=False)
         for ax, c in zip(axes[0], p.convs):
             for v in p.variants:
-                base = min(p.cuts_for(long))
                 pts = [(cut, s) for cut in p.cuts_for(long) if (s := self.same_target(v, c, long, cut, base))]
                 if pts:
                     cut, s = zip(*pts)
-                    ax.plot(cut, [x[0] for x in s], color=colors[v], marker="o", label=label(v))
-                    ax.fill_between(cut, [s[0][0] + x[2] for x in s], [s[0][0] + x[3] for x in s], color=colors[v],
-                                    alpha=0.2)
+                    ax.plot(cut, [x[1] for x in s], color=colors[v], marker="o", label=label(v))
+                    ax.fill_between(cut, [x[2] for x in s], [x[3] for x in s], color=colors[v], alpha=0.2)
+            ax.axhline(0, color="black", linewidth=0.8)
             ax.axvline(long, color="grey", linewidth=0.8)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("context cut (bytes); right of the line: unseen")
             ax.set_title(f"short_conv {c}, trained at {long:,}")
             ax.grid(alpha=0.3)
-        axes[0][0].set_ylabel("bpc of the same target bytes (band: 95% paired bootstrap)")
+        axes[0][0].set_ylabel(f"bpc less the {base:,}-byte cut's, same target bytes\n(below 0: the context helps; "
+                              "band: 95% paired bootstrap)")
         if axes[0][0].get_legend_handles_labels()[0]:  # the context line alone takes no legend
             axes[0][0].legend(fontsize=7)
         save(fig, "same_target_context.png", "Does more context help on the same bytes?")
