@@ -136,6 +136,25 @@ class Report:
 
     # ------------------------------------------------------------------ words
 
+    def reference_table(self) -> list[str]:
+        """The study's answer at a glance: every attention's test bpc less the reference's, per short_conv and
+        context, established ones in bold; the words below give each interval."""
+        p = self.p
+        out = [f"Test bpc less {label(p.reference)}'s, paired over seeds (below 0: better); **bold**: established "
+               f"(Holm p < {ALPHA} and the 95% interval excludes 0).", "",
+               "| attention | short_conv | " + " | ".join(f"{t:,}" for t in p.seq_lens) + " |",
+               "| --- | ---: |" + " ---: |" * len(p.seq_lens)]
+        for v in [v for v in p.variants if v != p.reference]:
+            for c in p.convs:
+                cells = []
+                for t in p.seq_lens:
+                    test = self.test((p.reference, c, t), (v, c, t))
+                    d = test["diff"] if test else None
+                    cells.append("–" if d is None or d.n < 2 else
+                                 f"**{d.mean:+.3f}**" if established(test) else f"{d.mean:+.3f}")
+                out.append(f"| {label(v)} | {c} | " + " | ".join(cells) + " |")
+        return out + [""]
+
     def conclusions(self) -> list[str]:
         p, lines = self.p, []
         short, long = min(p.seq_lens), max(p.seq_lens)
@@ -560,7 +579,7 @@ class Report:
                       "`make compare` goes on; later phases are planned from these): " + ", ".join(missing[:8])
                       + (" ..." if len(missing) > 8 else ""), ""]
         memo = self.memorising()
-        lines += ["## What the data says", "", *self.conclusions(), "", "## What it does not show", "",
+        lines += ["## What the data says", "", *self.reference_table(), *self.conclusions(), "", "## What it does not show", "",
                   *self.limits(), "", "## Memorising", "",
                   (f"{len(memo)} grid run(s) ended more than {MEMORISING_BPC} bpc above their best evaluation (they "
                    "began to memorise the train split): " + ", ".join(f"`{r['name']}` ({r['best_val_bpc']:.3f} at "

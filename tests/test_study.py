@@ -393,6 +393,8 @@ def test_the_report_words_follow_the_statistics(tmp_path):
            "softmax: -0.207 bpc [-0.242, -0.172] (n=3, Holm p = 0.0138)" in says
     assert "**short_conv 3 against 0, cosine (PyTorch reference)**: 32: within noise" in says
     assert "Holm p =" in says and "beats" not in md
+    assert "| cosine (PyTorch reference) | 0 | **-0.2" in says  # the glance table: established, so in bold
+    assert "| cosine (PyTorch reference) | 3 | **-0.2" in says and "| softmax (SDPA) |" not in says
     assert "uses it: the same bytes score lower" in says  # each cut 0.05 lower in the made-up curves
     table = md.split("## Paired differences")[1].split("##")[0]
     assert "| cosine - softmax, conv 0, 32 | 3 | -0.2" in table
