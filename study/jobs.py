@@ -16,7 +16,9 @@ Phases, in order; study/phases.py runs them, each decided from the results of th
   (scripts/throughput.py): the tokens/s the report quotes, and what the equal-compute phase scales by.
 - compute: equal compute beside equal tokens: every variant but the reference (softmax) again, its steps
   scaled by its tokens/s over the reference's at that context and short_conv; its best checkpoint scored on
-  the test split as the grid's are (without their context curves).
+  the test split as the grid's are (without their context curves). A variant within SAME_SPEED of the
+  reference's tokens/s is not run again: its equal-compute run would be its grid run to within a few percent
+  of the steps, so the grid's comparison stands for it.
 - recall: a rate per variant on the easiest cell (sweep_seed), then every variant x cell x seed at it, each
   run ending as soon as its val accuracy reaches stop_accuracy (Zoology's protocol).
 
@@ -41,6 +43,10 @@ GRID_PHASES = ("grid", "seeds")  # the runs of the grid's cells: its seeds and t
 CUTS = (256, 1024, 4096, 16384, 32768, 65536)
 TARGETS = 2048  # the target bytes every cut scores, the default of Protocol.targets: the last of each long test window
 MAX_EXTENSIONS = 2  # rates a sweep may add beyond the edge of the rates asked for
+# Tokens/s within this fraction of the reference's: an equal-compute run would differ from the variant's grid
+# run by at most this fraction of its steps, so the grid's runs stand for it (no compute run; the report says
+# where).
+SAME_SPEED = 0.05
 REFERENCE = "softmax"  # the attention the others are compared with, and equal compute is measured against
 
 
@@ -240,21 +246,26 @@ def grid_jobs(p: Protocol, out_dir: str, lrs: dict, seeds=None, cells=None) -> l
             for c in p.convs for v in p.variants if cells is None or (v, c, t) in cells]
 
 
+def speed_ratios(p: Protocol, speed: dict) -> dict:
+    """(variant, conv, seq_len) -> its tokens/s over the reference's, for every variant but the reference where
+    both were measured (speed: (variant, conv, seq_len) -> tokens/s)."""
+    return {(v, c, t): speed[v, c, t] / speed[p.reference, c, t] for v in p.variants for c in p.convs
+            for t in p.seq_lens if v != p.reference and (v, c, t) in speed and (p.reference, c, t) in speed}
+
+
+def same_speed(ratio: float) -> bool:
+    """Whether a variant at this speed ratio keeps its grid runs for equal compute (SAME_SPEED)."""
+    return abs(ratio - 1) <= SAME_SPEED
+
+
 def compute_jobs(p: Protocol, out_dir: str, lrs: dict, speed: dict) -> list[Job]:
     """Equal compute: every variant but the reference at the grid's rates and seeds, its steps scaled by its
-    tokens/s over the reference's (speed: (variant, conv, seq_len) -> tokens/s). A cell without both speeds is
+    tokens/s over the reference's, where that is more than SAME_SPEED from 1. A cell without both speeds is
     left out (the report says which)."""
-    jobs = []
-    for s in p.seeds:
-        for t in sorted(p.seq_lens, reverse=True):
-            for c in p.convs:
-                base = speed.get((p.reference, c, t))
-                for v in p.variants:
-                    if v == p.reference or base is None or speed.get((v, c, t)) is None:
-                        continue
-                    steps = max(1, round(p.steps * speed[v, c, t] / base))
-                    jobs.append(make_job(p, out_dir, "compute", v, t, s, lrs[v, c, t], c, steps))
-    return jobs
+    ratios = speed_ratios(p, speed)
+    return [make_job(p, out_dir, "compute", v, t, s, lrs[v, c, t], c, max(1, round(p.steps * ratios[v, c, t])))
+            for s in p.seeds for t in sorted(p.seq_lens, reverse=True) for c in p.convs for v in p.variants
+            if (v, c, t) in ratios and not same_speed(ratios[v, c, t])]
 
 
 def recall_sweep_jobs(p: Protocol, out_dir: str) -> list[Job]:

@@ -24,7 +24,7 @@ from lab.config import parse_args as parse_train_args
 from model.attention import layer_window
 from model.diagnostics import QUERIES
 from model.variants import VARIANTS
-from study.jobs import GRID_PHASES, Protocol
+from study.jobs import GRID_PHASES, SAME_SPEED, Protocol, same_speed, speed_ratios
 from study.phases import (ALPHA, cell_values, chosen_rates, established, metric, next_rates, paired_comparisons,
                           recall_rates, speeds, sweep_scores)
 from study.stats import bootstrap_mean_grouped, fmt_interval, mean_interval, paired
@@ -324,14 +324,23 @@ class Report:
         for r in self.results:
             if r["phase"] == "compute" and r["status"] == "ok" and metric(r) is not None:
                 runs[r["variant"], r["conv"], r["seq_len"]].append(r)
-        if not runs:
+        # The throughput phase measures one short_conv for all, so a (variant, context) is listed once.
+        same = sorted({(p.variants.index(v), t, ratio) for (v, _, t), ratio in
+                       speed_ratios(p, speeds(p, self.results)).items() if same_speed(ratio)})
+        if not runs and not same:
             return []
         out = ["## Equal compute", "",
                f"Each attention's steps scaled by its tokens/s over {label(p.reference)}'s at that context (the "
                f"throughput phase), so every run trains as long as {label(p.reference)}'s equal-token run; the "
-               f"difference is paired with {label(p.reference)}'s grid runs of the same seeds.", "",
-               "| variant | short_conv | context | steps | test bpc | difference from reference [95%] |",
-               "| --- | ---: | ---: | ---: | ---: | ---: |"]
+               f"difference is paired with {label(p.reference)}'s grid runs of the same seeds.", ""]
+        if same:
+            out += [f"Within {SAME_SPEED:.0%} of {label(p.reference)}'s tokens/s, so not run again (the grid's "
+                    "comparison stands for equal compute): " + ", ".join(f"{label(p.variants[i])} at {t:,} "
+                                                                         f"(x{ratio:.3f})" for i, t, ratio in same)
+                    + ".", ""]
+        if runs:
+            out += ["| variant | short_conv | context | steps | test bpc | difference from reference [95%] |",
+                    "| --- | ---: | ---: | ---: | ---: | ---: |"]
         for (v, c, t), rs in sorted(runs.items(), key=lambda kv: (p.variants.index(kv[0][0]), kv[0][1], kv[0][2])):
             diff = paired(cell_values(self.results, p.reference, c, t), {r["seed"]: metric(r) for r in rs})
             out.append(f"| {label(v)} | {c} | {t:,} | {rs[0]['steps']} | {ci([metric(r) for r in rs])} | "

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import compare
+import study.jobs
 from lab.config import parse_args
 from study.jobs import (Job, Protocol, bracket, compute_jobs, grid_jobs, lr_table, make_job, swept_context,
                         sweep_jobs, throughput_jobs)
@@ -159,6 +160,26 @@ def test_equal_compute_scales_each_attentions_steps_by_its_speed():
                                                             "--split", "test"]
     assert "--same-target" not in argv and "--sliding-stride" not in argv and "--same-target" in grid
     assert compute_jobs(p, "runs", {}, {("softmax", 0, 32): 1000.0}) == []  # no speed: left out
+    # Within 5% of the reference's speed the equal-compute run would be the grid's run again: not planned.
+    lrs = {("cosine", 0, 32): 2e-3}
+    assert compute_jobs(p, "runs", lrs, {("softmax", 0, 32): 1000.0, ("cosine", 0, 32): 1040.0}) == []
+    (slower,) = compute_jobs(p, "runs", lrs, {("softmax", 0, 32): 1000.0, ("cosine", 0, 32): 900.0})
+    assert slower.steps == round(p.steps * 0.9)
+
+
+def test_the_report_says_where_equal_compute_is_equal_tokens(tmp_path):
+    p = protocol(convs=(0,), seq_lens=(32, 64))
+    rows = [{"ok": True, "variant": v, "seq_len": t, "tokens_per_s": speed}
+            for v, t, speed in (("softmax", 32, 1000.0), ("cosine", 32, 1020.0), ("softmax", 64, 1000.0),
+                                ("cosine", 64, 1500.0))]
+    results = [{"name": "throughput_c0_T64", "phase": "throughput", "variant": "all", "seq_len": 64, "seed": 0,
+                "conv": 0, "lr": 0.0, "steps": 0, "pairs": None, "status": "ok", "commands": [],
+                "throughput": {"results": rows}}]
+    Report(p, results, [], "CPU", "python compare.py", 1).write(tmp_path)
+    compute = (tmp_path / "report.md").read_text().split("## Equal compute")[1].split("##")[0]
+    assert ("Within 5% of softmax (SDPA)'s tokens/s, so not run again (the grid's comparison stands for equal "
+            "compute): cosine (PyTorch reference) at 32 (x1.020).") in compute
+    assert "at 64" not in compute  # 1.5x: a compute run of its own
 
 
 def test_recall_takes_each_attentions_best_rate_on_the_easiest_cell():
@@ -492,7 +513,8 @@ def test_past_the_deadline_no_run_starts_and_the_report_says_what_is_missing(tmp
 
 
 @pytest.mark.slow
-def test_a_tiny_study_runs_end_to_end_and_a_second_call_redoes_nothing(tmp_path, data_path):
+def test_a_tiny_study_runs_end_to_end_and_a_second_call_redoes_nothing(tmp_path, data_path, monkeypatch):
+    monkeypatch.setattr(study.jobs, "SAME_SPEED", 0.0)  # two attentions' CPU speeds may be within 5%: run both
     args = ["--device", "cpu", "--config", "configs/tiny_cpu", "--variants", "softmax,cosine", "--seq-lens", "32",
             "--convs", "0", "--seeds", "1,2", "--max-seeds", "2", "--epochs", "0.0005", "--tokens-per-step", "256",
             "--lrs", "2e-3", "--eval-tokens", "256", "--cuts", "16,32,64", "--targets", "64", "--test-windows", "2",
