@@ -588,8 +588,8 @@ class Report:
                       "`make compare` goes on; later phases are planned from these): " + ", ".join(missing[:8])
                       + (" ..." if len(missing) > 8 else ""), ""]
         memo = self.memorising()
-        lines += ["## What the data says", "", *self.reference_table(), *self.conclusions(), "", "## What it does not show", "",
-                  *self.limits(), "", "## Memorising", "",
+        lines += ["## What the data says", "", *self.reference_table(), *self.conclusions(), "",
+                  "## What it does not show", "", *self.limits(), "", "## Memorising", "",
                   (f"{len(memo)} grid run(s) ended more than {MEMORISING_BPC} bpc above their best evaluation (they "
                    "began to memorise the train split): " + ", ".join(f"`{r['name']}` ({r['best_val_bpc']:.3f} at "
                    f"step {r['best_step']}, {r['val_bpc']:.3f} at the end)" for r in memo[:6])

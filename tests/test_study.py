@@ -116,6 +116,12 @@ def grid_result(v, c, t, seed, test_bpc, phase="grid", lr=2e-3, **more):
             "evaluation": {"bpc": test_bpc}, "commands": [], **more}
 
 
+def recall_result(v, seed, t, pairs, accuracy):
+    return {"name": f"recall_{v}_{seed}_{t}", "phase": "recall", "variant": v, "seed": seed, "seq_len": t,
+            "pairs": pairs, "lr": 3e-3, "status": "ok", "steps": 10, "conv": 0, "commands": [],
+            "test_accuracy": accuracy}
+
+
 def test_cells_whose_difference_is_not_settled_get_more_seeds():
     p = protocol(variants=("softmax", "cosine"), convs=(0,), seq_lens=(32,))
     noise = {1: -0.01, 2: 0.0, 3: 0.01}
@@ -358,9 +364,7 @@ def report_results(p: Protocol) -> list[dict]:
     results += [grid_result("cosine", 0, 32, seed, 1.5 + 0.01 * rng.standard_normal(), phase="compute", steps=20)
                 for seed in p.seeds]
     # Recall: softmax solves the easiest cell with two seeds of three: the probe is invalid.
-    results += [{"name": f"recall_{v}_{seed}_{t}", "phase": "recall", "variant": v, "seed": seed, "seq_len": t,
-                 "pairs": n, "lr": 3e-3, "status": "ok", "steps": 10, "conv": 0, "commands": [],
-                 "test_accuracy": 1.0 if v == "softmax" and seed != 3 else 0.01}
+    results += [recall_result(v, seed, t, n, 1.0 if v == "softmax" and seed != 3 else 0.01)
                 for v in p.variants for seed in (*p.seeds, p.sweep_seed) for t, n in p.recall_cells]
     results.append({**results[-1], "name": "broken", "status": "failed (exit 1): out of memory"})
     return results
@@ -444,9 +448,7 @@ def test_the_recall_probe_is_unsettled_until_softmax_has_run_every_seed(tmp_path
     (t, n), seeds = p.recall_cells[0], p.seeds
 
     def recall(seed: int, accuracy: float) -> dict:
-        return {"name": f"recall_softmax_{seed}", "phase": "recall", "variant": "softmax", "seed": seed,
-                "seq_len": t, "pairs": n, "lr": 3e-3, "status": "ok", "steps": 10, "conv": 0, "commands": [],
-                "test_accuracy": accuracy}
+        return recall_result("softmax", seed, t, n, accuracy)
 
     def verdict(results: list[dict]) -> str:
         Report(p, results, [], "CPU", "python compare.py", 1).write(tmp_path)
