@@ -511,6 +511,9 @@ def study(src: Sources, link: Link) -> list[str]:
                    for n in p["seq_lens"] if speeds)]
                 for v in p["variants"] for conv in p["convs"]]
         seeds = sorted({c["seeds"] for c in grid})
+        convs = sorted({r["conv"] for r in data["runs"] if r["phase"] == "throughput" and r["status"] == "ok"})
+        measured = (f" with short conv {convs[0]} for both rows (the convolution costs the same under every "
+                    "attention)" if len(p["convs"]) > 1 and len(convs) == 1 else "")
         lengths = [thousands(n) for n in p["seq_lens"]]
         interim = (f"**Interim**: {data['missing']} of the {data['planned']} runs planned so far have not run, nor "
                    "have the phases planned from their results. " if data["missing"] else "")
@@ -518,7 +521,7 @@ def study(src: Sources, link: Link) -> list[str]:
                    f"context curves, learning-rate sweep, memorising check and recall probe in "
                    f"{link('bench/study/report.md')}: test bpc of each run's best-val checkpoint at its trained "
                    f"context, mean [95% t interval] over {seeds[0] if len(seeds) == 1 else f'{seeds[0]}-{seeds[-1]}'} "
-                   f"seeds" + (", and training tokens/s measured alone on a GPU" if speeds else "") + ". "
+                   f"seeds" + (f", and training tokens/s measured alone on a GPU{measured}" if speeds else "") + ". "
                    f"Every run {p['epochs']:g} epochs of "
                    f"{'the verified enwik8' if p['data_path'] is None else 'the 4 MB enwik8 prefix (a pilot)'} at its "
                    f"attention's swept rate, {p['config']}. Source: {link(STUDY)}, `{data['command']}` "

@@ -267,11 +267,14 @@ class Report:
     def main_table(self) -> list[str]:
         p = self.p
         speed = speeds(p, self.results)
+        measured = sorted({r["conv"] for r in self.results if r["phase"] == "throughput" and r["status"] == "ok"})
+        conv = (f", with short_conv {measured[0]} for every short_conv: the convolution costs the same under every "
+                "attention" if len(p.convs) > 1 and len(measured) == 1 else "")
         out = ["Mean [95% t interval] over seeds. test: the best-val checkpoint on the test split in windows of the "
                "trained context; sliding: every test byte once with at least 3/4 of the context before it (the "
                "literature's evaluation); best val: the lowest periodic val bpc; final val and train: the end of "
-               "the run (train over its last 5% of steps). tokens/s: the throughput phase (one GPU alone, "
-               "compiled).", "",
+               f"the run (train over its last 5% of steps). tokens/s: the throughput phase (one GPU alone, "
+               f"compiled{conv}).", "",
                "| variant | short_conv | context | seeds | test bpc | sliding test bpc | best val | final val | train | "
                "tokens/s |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for v in p.variants:
@@ -339,7 +342,8 @@ class Report:
                                                                          f"(x{ratio:.3f})" for i, t, ratio in same)
                     + ".", ""]
         if runs:
-            out += ["| variant | short_conv | context | steps | test bpc | difference from reference [95%] |",
+            out += ["| variant | short_conv | context | steps | test bpc | "
+                    f"difference from {label(p.reference)} [95%] |",
                     "| --- | ---: | ---: | ---: | ---: | ---: |"]
         for (v, c, t), rs in sorted(runs.items(), key=lambda kv: (p.variants.index(kv[0][0]), kv[0][1], kv[0][2])):
             diff = paired(cell_values(self.results, p.reference, c, t), {r["seed"]: metric(r) for r in rs})

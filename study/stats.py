@@ -160,7 +160,8 @@ def mean_interval(values: list[float], level: float = 0.95) -> tuple[float, floa
 
 
 def fmt_interval(p: Paired, digits: int = 3) -> str:
-    """A paired difference as the report prints it, e.g. "-0.041 [-0.062, -0.020], n=5"."""
+    """A paired difference as the report prints it, signed like its other differences, e.g.
+    "-0.041 [-0.062, -0.020], n=5"."""
     if math.isnan(p.low) or math.isnan(p.high):
         return f"n={p.n}, no interval"
-    return f"{p.mean:.{digits}f} [{p.low:.{digits}f}, {p.high:.{digits}f}], n={p.n}"
+    return f"{p.mean:+.{digits}f} [{p.low:+.{digits}f}, {p.high:+.{digits}f}], n={p.n}"

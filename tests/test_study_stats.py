@@ -27,7 +27,7 @@ def test_paired_matches_a_hand_computed_example_and_scipy():
     assert not p.excludes_zero
     assert p.t == pytest.approx(3.464, abs=1e-3)
     assert not p.under(3.0) and p.under(4.0)
-    assert fmt_interval(p) == "0.200 [-0.048, 0.448], n=3"
+    assert fmt_interval(p) == "+0.200 [-0.048, +0.448], n=3"
 
 
 def test_paired_sign_is_b_minus_a_and_the_level_widens_the_interval():
