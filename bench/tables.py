@@ -511,9 +511,9 @@ def study(src: Sources, link: Link) -> list[str]:
                    for n in p["seq_lens"] if speeds)]
                 for v in p["variants"] for conv in p["convs"]]
         seeds = sorted({c["seeds"] for c in grid})
-        convs = sorted({r["conv"] for r in data["runs"] if r["phase"] == "throughput" and r["status"] == "ok"})
-        measured = (f" with short conv {convs[0]} for both rows (the convolution costs the same under every "
-                    "attention)" if len(p["convs"]) > 1 and len(convs) == 1 else "")
+        conv = data["tokens_per_s_conv"]
+        measured = (f" with short conv {conv} for both rows (the convolution costs the same under every "
+                    "attention)" if len(p["convs"]) > 1 and conv is not None else "")
         lengths = [thousands(n) for n in p["seq_lens"]]
         interim = (f"**Interim**: {data['missing']} of the {data['planned']} runs planned so far have not run, nor "
                    "have the phases planned from their results. " if data["missing"] else "")

@@ -139,6 +139,12 @@ def speeds(p: Protocol, results: list[dict]) -> dict:
     return out
 
 
+def speed_conv(results: list[dict]) -> int | None:
+    """The short_conv the throughput phase measured every short_conv's tokens/s with (throughput_jobs); None before
+    it has run."""
+    return max((r["conv"] for r in ok(results, "throughput")), default=None)
+
+
 def recall_rates(p: Protocol, results: list[dict]) -> dict[str, float]:
     """variant -> the recall rate of its sweep on the easiest cell: the highest test accuracy, then the fewest
     steps to reach it (an early stop), for variants whose sweep is done."""

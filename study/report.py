@@ -26,7 +26,7 @@ from model.diagnostics import QUERIES
 from model.variants import VARIANTS
 from study.jobs import GRID_PHASES, SAME_SPEED, Protocol, same_speed, speed_ratios
 from study.phases import (ALPHA, cell_values, chosen_rates, established, metric, next_rates, paired_comparisons,
-                          recall_rates, speeds, sweep_scores)
+                          recall_rates, speed_conv, speeds, sweep_scores)
 from study.stats import bootstrap_mean_grouped, fmt_interval, mean_interval, paired
 
 QUALITY_FLOOR_BPC = 2.0  # a model of this size that learned anything is well below it on enwik8
@@ -117,8 +117,9 @@ class Report:
         return statistics.fmean(at_cut), statistics.fmean(float(g.mean()) for g in groups), low, high
 
     def cells(self) -> list[dict]:
-        """Each grid cell's test bpc (mean and 95% t interval over its seeds; None where undefined) and tokens/s,
-        as results.json records them for the docs' table (bench/tables.py, which does no statistics)."""
+        """Each grid cell's test bpc (mean and 95% t interval over its seeds; None where undefined) and tokens/s
+        (measured with the short_conv results.json's tokens_per_s_conv names), as results.json records them for the
+        docs' table (bench/tables.py, which does no statistics)."""
         p, speed, out = self.p, speeds(self.p, self.results), []
         for v in p.variants:
             for c in p.convs:
@@ -267,9 +268,9 @@ class Report:
     def main_table(self) -> list[str]:
         p = self.p
         speed = speeds(p, self.results)
-        measured = sorted({r["conv"] for r in self.results if r["phase"] == "throughput" and r["status"] == "ok"})
-        conv = (f", with short_conv {measured[0]} for every short_conv: the convolution costs the same under every "
-                "attention" if len(p.convs) > 1 and len(measured) == 1 else "")
+        measured = speed_conv(self.results)
+        conv = (f", with short_conv {measured} for every short_conv: the convolution costs the same under every "
+                "attention" if len(p.convs) > 1 and measured is not None else "")
         out = ["Mean [95% t interval] over seeds. test: the best-val checkpoint on the test split in windows of the "
                "trained context; sliding: every test byte once with at least 3/4 of the context before it (the "
                "literature's evaluation); best val: the lowest periodic val bpc; final val and train: the end of "
@@ -613,7 +614,8 @@ class Report:
         (out / "report.md").write_text("\n".join(lines))
         (out / "results.json").write_text(json.dumps(
             {"command": self.command, "hardware": self.hardware, "protocol": p.record(), "planned": len(self.jobs),
-             "missing": len(missing), "cells": self.cells(), "runs": self.results}, indent=1) + "\n")
+             "missing": len(missing), "cells": self.cells(), "tokens_per_s_conv": speed_conv(self.results),
+             "runs": self.results}, indent=1) + "\n")
 
 
 # The concentration diagnostics the report shows (the keys train.py logs as val/attn/<key>): key -> header.

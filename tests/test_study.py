@@ -188,6 +188,21 @@ def test_the_report_says_where_equal_compute_is_equal_tokens(tmp_path):
     assert "at 64" not in compute  # 1.5x: a compute run of its own
 
 
+def test_the_report_names_the_short_conv_its_tokens_per_s_were_measured_with(tmp_path):
+    p = protocol(convs=(0, 3), seq_lens=(32,))
+    (job,) = throughput_jobs(p, "runs")
+    assert job.conv == 3
+    rows = [{"ok": True, "variant": v, "seq_len": 32, "tokens_per_s": 1000.0} for v in p.variants]
+    results = [{**FakeRunner.result(job), "throughput": {"results": rows}}]
+    Report(p, results, [], "CPU", "python compare.py", 1).write(tmp_path)
+    assert "tokens/s: the throughput phase (one GPU alone, compiled, with short_conv 3 for every short_conv" in (
+        tmp_path / "report.md").read_text()
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["tokens_per_s_conv"] == 3
+    assert {c["conv"]: c["tokens_per_s"] for c in data["cells"] if c["variant"] == "softmax"} == {0: 1000.0,
+                                                                                                 3: 1000.0}
+
+
 def test_recall_takes_each_attentions_best_rate_on_the_easiest_cell():
     p = protocol()
     runs = [{"phase": "recall", "status": "ok", "variant": v, "seed": 0, "seq_len": 32, "pairs": 4, "lr": lr,
