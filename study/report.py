@@ -79,6 +79,8 @@ class Report:
             if r["phase"] in GRID_PHASES and r["status"] == "ok":
                 self.grid[r["variant"], r["conv"], r["seq_len"]].append(r)
         self.tests = paired_comparisons(protocol, results)
+        self.speed = speeds(protocol, results)  # (variant, conv, seq_len) -> the throughput phase's tokens/s
+        self.speed_conv = speed_conv(results)  # the short_conv those were measured with, for every short_conv
 
     def runs(self, v: str, c: int, t: int) -> list[dict]:
         return self.grid.get((v, c, t), [])
@@ -120,14 +122,14 @@ class Report:
         """Each grid cell's test bpc (mean and 95% t interval over its seeds; None where undefined) and tokens/s
         (measured with the short_conv results.json's tokens_per_s_conv names), as results.json records them for the
         docs' table (bench/tables.py, which does no statistics)."""
-        p, speed, out = self.p, speeds(self.p, self.results), []
+        p, out = self.p, []
         for v in p.variants:
             for c in p.convs:
                 for t in p.seq_lens:
                     values = [m for m in map(metric, self.runs(v, c, t)) if m is not None]
                     out.append({"variant": v, "conv": c, "seq_len": t, "seeds": len(values),
                                 "test_bpc": [None if math.isnan(x) else x for x in mean_interval(values)],
-                                "tokens_per_s": speed.get((v, c, t))})
+                                "tokens_per_s": self.speed.get((v, c, t))})
         return out
 
     def memorising(self) -> list[dict]:
@@ -267,10 +269,8 @@ class Report:
 
     def main_table(self) -> list[str]:
         p = self.p
-        speed = speeds(p, self.results)
-        measured = speed_conv(self.results)
-        conv = (f", with short_conv {measured} for every short_conv: the convolution costs the same under every "
-                "attention" if len(p.convs) > 1 and measured is not None else "")
+        conv = (f", with short_conv {self.speed_conv} for every short_conv: the convolution costs the same under "
+                "every attention" if len(p.convs) > 1 and self.speed_conv is not None else "")
         out = ["Mean [95% t interval] over seeds. test: the best-val checkpoint on the test split in windows of the "
                "trained context; sliding: every test byte once with at least 3/4 of the context before it (the "
                "literature's evaluation); best val: the lowest periodic val bpc; final val and train: the end of "
@@ -286,7 +286,7 @@ class Report:
                     out.append(f"| {label(v)} | {c} | {t:,} | {len(runs)} | {ci([metric(r) for r in runs])} | "
                                f"{ci(sliding)} | {ci([r['best_val_bpc'] for r in runs])} | "
                                f"{ci([r['val_bpc'] for r in runs])} | {ci([r['train_bpc'] for r in runs])} | "
-                               f"{fmt(speed.get((v, c, t)), ',.0f')} |")
+                               f"{fmt(self.speed.get((v, c, t)), ',.0f')} |")
         return out + [""]
 
     def test_table(self) -> list[str]:
@@ -330,7 +330,7 @@ class Report:
                 runs[r["variant"], r["conv"], r["seq_len"]].append(r)
         # The throughput phase measures one short_conv for all, so a (variant, context) is listed once.
         same = sorted({(p.variants.index(v), t, ratio) for (v, _, t), ratio in
-                       speed_ratios(p, speeds(p, self.results)).items() if same_speed(ratio)})
+                       speed_ratios(p, self.speed).items() if same_speed(ratio)})
         if not runs and not same:
             return []
         out = ["## Equal compute", "",
@@ -538,11 +538,10 @@ class Report:
             axes[0][0].legend(fontsize=7)
         save(fig, "same_target_context.png", "Does more context help on the same bytes?")
 
-        speed = speeds(p, self.results)
-        if speed:
+        if self.speed:
             fig, ax = plt.subplots(figsize=(6.5, 4.3))
             for v in p.variants:
-                pts = [(t, speed[v, p.convs[-1], t]) for t in p.seq_lens if (v, p.convs[-1], t) in speed]
+                pts = [(t, self.speed[v, p.convs[-1], t]) for t in p.seq_lens if (v, p.convs[-1], t) in self.speed]
                 if pts:
                     ax.plot(*zip(*pts), color=colors[v], marker="o", label=label(v))
             ax.set_xscale("log", base=2)
@@ -614,7 +613,7 @@ class Report:
         (out / "report.md").write_text("\n".join(lines))
         (out / "results.json").write_text(json.dumps(
             {"command": self.command, "hardware": self.hardware, "protocol": p.record(), "planned": len(self.jobs),
-             "missing": len(missing), "cells": self.cells(), "tokens_per_s_conv": speed_conv(self.results),
+             "missing": len(missing), "cells": self.cells(), "tokens_per_s_conv": self.speed_conv,
              "runs": self.results}, indent=1) + "\n")
 
 
