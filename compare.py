@@ -206,7 +206,8 @@ def report_folder(out: str | None, protocol: dict, runs_dir: Path) -> Path:
 
 
 def devices(args) -> list[str | None]:
-    """The workers' CUDA_VISIBLE_DEVICES values (None: the CPU), or exit 2 where the study cannot run."""
+    """The workers' GPUs as indices among those this process sees (None: the CPU), or exit 2 where the study
+    cannot run."""
     if args.device == "cpu":
         return [None]
     if not torch.cuda.is_available():
@@ -258,9 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         dry_run(p, str(runs_dir))
         return 0
     workers = devices(args)
-    hardware = (f"{len(workers)} x {torch.cuda.get_device_name(0)}" if workers[0] is not None else "CPU")
+    gpus = {w: "CPU" if w is None else torch.cuda.get_device_name(int(w)) for w in workers}
+    hardware = f"{len(workers)} x {gpus[workers[0]]}" if workers[0] is not None else "CPU"
     runner = Runner(runs_dir, workers, time.monotonic() + args.time_limit,
-                    per_device=args.runs_per_gpu if workers[0] is not None else 1)
+                    per_device=args.runs_per_gpu if workers[0] is not None else 1, gpus=gpus)
     try:
         jobs, done = run_study(p, runner, str(runs_dir))
     except StudyError as err:

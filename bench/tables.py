@@ -515,17 +515,18 @@ def study(src: Sources, link: Link) -> list[str]:
         measured = (f" with short conv {conv} for both rows (the convolution costs the same under every "
                     "attention)" if len(p["convs"]) > 1 and conv is not None else "")
         lengths = [thousands(n) for n in p["seq_lens"]]
-        interim = (f"**Interim**: {data['missing']} of the {data['planned']} runs planned so far have not run, nor "
-                   "have the phases planned from their results. " if data["missing"] else "")
+        interim = (f"**Interim**: {data['missing']} of the {data['planned']} runs planned so far have not run. "
+                   if data["missing"] else "")
         caption = (f"{interim}The study (`make compare`), with its paired differences (Holm-corrected), same-target "
                    f"context curves, learning-rate sweep, memorising check and recall probe in "
                    f"{link('bench/study/report.md')}: test bpc of each run's best-val checkpoint at its trained "
                    f"context, mean [95% t interval] over {seeds[0] if len(seeds) == 1 else f'{seeds[0]}-{seeds[-1]}'} "
-                   f"seeds" + (f", and training tokens/s measured alone on a GPU{measured}" if speeds else "") + ". "
+                   f"seeds" + (f", and training tokens/s measured alone on one {data['tokens_per_s_gpu']}{measured}"
+                               if speeds else "") + ". "
                    f"Every run {p['epochs']:g} epochs of "
                    f"{'the verified enwik8' if p['data_path'] is None else 'the 4 MB enwik8 prefix (a pilot)'} at its "
-                   f"attention's swept rate, {p['config']}. Source: {link(STUDY)}, `{data['command']}` "
-                   f"({data['hardware']}).")
+                   f"attention's swept rate, {p['config']}, trained on {data['trained_on']}. Source: {link(STUDY)}, "
+                   f"`{data['command']}` ({data['hardware']}).")
     except (KeyError, TypeError, IndexError) as e:
         raise TableError(f"{STUDY}: not a compare.py study file ({e!r})") from e
     header = ["attention", "short conv", *(f"test bpc, {n}" for n in lengths),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import NamedTuple
 
@@ -26,7 +26,7 @@ from model.diagnostics import QUERIES
 from model.variants import VARIANTS
 from study.jobs import GRID_PHASES, SAME_SPEED, Protocol, same_speed, speed_ratios
 from study.phases import (ALPHA, cell_values, chosen_rates, established, metric, next_rates, paired_comparisons,
-                          recall_rates, speed_conv, speeds, sweep_scores)
+                          recall_rates, speed_conv, speed_gpu, speeds, sweep_scores)
 from study.stats import bootstrap_mean_grouped, fmt_interval, mean_interval, paired
 
 QUALITY_FLOOR_BPC = 2.0  # a model of this size that learned anything is well below it on enwik8
@@ -81,6 +81,7 @@ class Report:
         self.tests = paired_comparisons(protocol, results)
         self.speed = speeds(protocol, results)  # (variant, conv, seq_len) -> the throughput phase's tokens/s
         self.speed_conv = speed_conv(results)  # the short_conv those were measured with, for every short_conv
+        self.speed_gpu = speed_gpu(results)
 
     def runs(self, v: str, c: int, t: int) -> list[dict]:
         return self.grid.get((v, c, t), [])
@@ -131,6 +132,11 @@ class Report:
                                 "test_bpc": [None if math.isnan(x) else x for x in mean_interval(values)],
                                 "tokens_per_s": self.speed.get((v, c, t))})
         return out
+
+    def trained_on(self) -> str:
+        """The GPUs the finished runs trained on, with their counts: a resumed study may span machines."""
+        gpus = Counter(r.get("gpu") or "not recorded" for r in self.results if r["status"] == "ok")
+        return ", ".join(f"{name} ({n} run{'s' if n > 1 else ''})" for name, n in gpus.most_common()) or "none yet"
 
     def memorising(self) -> list[dict]:
         """Grid runs whose final val bpc is more than MEMORISING_BPC above their best evaluation."""
@@ -274,8 +280,8 @@ class Report:
         out = ["Mean [95% t interval] over seeds. test: the best-val checkpoint on the test split in windows of the "
                "trained context; sliding: every test byte once with at least 3/4 of the context before it (the "
                "literature's evaluation); best val: the lowest periodic val bpc; final val and train: the end of "
-               f"the run (train over its last 5% of steps). tokens/s: the throughput phase (one GPU alone, "
-               f"compiled{conv}).", "",
+               f"the run (train over its last 5% of steps). tokens/s: the throughput phase, alone on one "
+               f"{self.speed_gpu or 'GPU'} (compiled{conv}).", "",
                "| variant | short_conv | context | seeds | test bpc | sliding test bpc | best val | final val | train | "
                "tokens/s |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for v in p.variants:
@@ -460,10 +466,11 @@ class Report:
                        "in every seed.")
         out = ["## Associative recall", "",
                f"Multi-query associative recall (`--task recall`, `{p.recall_config}`), Zoology's protocol: each "
-               f"attention's rate the best of {', '.join(f'{lr:g}' for lr in p.recall_lrs)} on the easiest cell "
-               f"(seed {p.sweep_seed}); every run ends once its val accuracy reaches {p.stop_accuracy:g}, or at "
-               f"{p.recall_steps} steps. Cells: seeds that solved it (test accuracy >= {SOLVED}) of those run; "
-               "chance is 1/128.", "", verdict, "",
+               f"attention's rate the fastest of {', '.join(f'{lr:g}' for lr in p.recall_lrs)} to solve the easiest "
+               f"cell (seed {p.sweep_seed}: the fewest steps to the stop accuracy, then the highest test accuracy; "
+               "**edge**: the smallest or largest rate tried, a sweep not extended); every run ends once its val "
+               f"accuracy reaches {p.stop_accuracy:g}, or at {p.recall_steps} steps. Cells: seeds that solved it "
+               f"(test accuracy >= {SOLVED}) of those run; chance is 1/128.", "", verdict, "",
                "| variant | rate | " + " | ".join(f"{t:,} bytes, {n} pairs" for t, n in p.recall_cells) + " |",
                "| --- | ---: |" + " ---: |" * len(p.recall_cells)]
         for v in p.variants:
@@ -471,7 +478,8 @@ class Report:
             for t, n in p.recall_cells:
                 rs = runs.get((v, t, n), [])
                 cells.append("–" if not rs else f"{sum(r['test_accuracy'] >= SOLVED for r in rs)}/{len(rs)}")
-            out.append(f"| {label(v)} | {fmt(rates.get(v), 'g')} | " + " | ".join(cells) + " |")
+            edge = " **edge**" if rates.get(v) in (min(p.recall_lrs), max(p.recall_lrs)) else ""
+            out.append(f"| {label(v)} | {fmt(rates.get(v), 'g')}{edge} | " + " | ".join(cells) + " |")
         return out + [""]
 
     # ------------------------------------------------------------------ plots
@@ -570,7 +578,8 @@ class Report:
         floor = [f"{label(v)} (short_conv {c})" for v in p.variants for c in p.convs
                  if mean_interval([metric(r) for r in self.runs(v, c, min(p.seq_lens))])[0] >= QUALITY_FLOOR_BPC]
         lines = ["# Softmax, cosine-sim and fastmax attention as the context grows", "",
-                 f"Written by `{self.command}` on {self.hardware}.", "", *pilot,
+                 f"Written by `{self.command}` on {self.hardware}; the runs trained on {self.trained_on()}.", "",
+                 *pilot,
                  f"- Data: {data}.",
                  f"- Model: `{p.config}`, {self.params / 1e6:.2f}M parameters; every enwik8 run {p.epochs:g} epochs "
                  f"= {p.steps} steps of {p.tokens_per_step:,} tokens (batch = tokens / context), warmup over the "
@@ -613,7 +622,8 @@ class Report:
         (out / "report.md").write_text("\n".join(lines))
         (out / "results.json").write_text(json.dumps(
             {"command": self.command, "hardware": self.hardware, "protocol": p.record(), "planned": len(self.jobs),
-             "missing": len(missing), "cells": self.cells(), "tokens_per_s_conv": self.speed_conv,
+             "missing": len(missing), "trained_on": self.trained_on(), "cells": self.cells(),
+             "tokens_per_s_conv": self.speed_conv, "tokens_per_s_gpu": self.speed_gpu,
              "runs": self.results}, indent=1) + "\n")
 
 

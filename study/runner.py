@@ -85,9 +85,12 @@ class Runner:
     """Runs jobs on workers (one per device for exclusive jobs, per_device per device for the others) until
     the queue is empty or the deadline passes."""
 
-    def __init__(self, runs_dir: Path, devices: list[str | None], deadline: float, log=print, per_device: int = 1):
+    def __init__(self, runs_dir: Path, devices: list[str | None], deadline: float, log=print, per_device: int = 1,
+                 gpus: dict[str | None, str] | None = None):
+        """devices: the GPUs this process sees, as indices (None: the CPU); gpus: device -> its name, recorded in
+        each result, since a resumed study's runs may have trained on different machines."""
         self.runs_dir, self.devices, self.deadline, self.log = runs_dir, devices, deadline, log
-        self.per_device = per_device
+        self.per_device, self.gpus = per_device, gpus or {}
         self.lock = threading.Lock()
 
     def run_dir(self, job: Job) -> Path:
@@ -135,8 +138,9 @@ class Runner:
     def _subprocess(self, command: list[str], log_path: Path, device: str | None) -> tuple[int, bool]:
         """(exit code, whether the deadline stopped it)."""
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if device is not None:
-            env["CUDA_VISIBLE_DEVICES"] = device
+        if device is not None:  # an index among the GPUs this process sees, which CUDA_VISIBLE_DEVICES may choose
+            chosen = os.environ.get("CUDA_VISIBLE_DEVICES")
+            env["CUDA_VISIBLE_DEVICES"] = chosen.split(",")[int(device)] if chosen else device
         with open(log_path, "a") as log:
             log.write("$ " + shlex.join(command) + "\n")
             log.flush()
@@ -159,7 +163,7 @@ class Runner:
         t0 = time.monotonic()
         record = {"name": job.name, "phase": job.phase, "variant": job.variant, "conv": job.conv,
                   "seq_len": job.seq_len, "seed": job.seed, "lr": job.lr, "steps": job.steps, "pairs": job.pairs,
-                  "commands": command_lines(job)}
+                  "commands": command_lines(job), "gpu": self.gpus.get(device)}
         code, stopped = 0, False
         for script, *argv in job.commands:
             code, stopped = self._subprocess([sys.executable, str(ROOT / script), *argv], log_path, device)

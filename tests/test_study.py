@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import shlex
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -180,7 +181,7 @@ def test_the_report_says_where_equal_compute_is_equal_tokens(tmp_path):
                                 ("cosine", 64, 1500.0))]
     results = [{"name": "throughput_c0_T64", "phase": "throughput", "variant": "all", "seq_len": 64, "seed": 0,
                 "conv": 0, "lr": 0.0, "steps": 0, "pairs": None, "status": "ok", "commands": [],
-                "throughput": {"results": rows}}]
+                "throughput": {"hardware": "NVIDIA H200", "results": rows}}]
     Report(p, results, [], "CPU", "python compare.py", 1).write(tmp_path)
     compute = (tmp_path / "report.md").read_text().split("## Equal compute")[1].split("##")[0]
     assert ("Within 5% of softmax (SDPA)'s tokens/s, so not run again (the grid's comparison stands for equal "
@@ -193,22 +194,35 @@ def test_the_report_names_the_short_conv_its_tokens_per_s_were_measured_with(tmp
     (job,) = throughput_jobs(p, "runs")
     assert job.conv == 3
     rows = [{"ok": True, "variant": v, "seq_len": 32, "tokens_per_s": 1000.0} for v in p.variants]
-    results = [{**FakeRunner.result(job), "throughput": {"results": rows}}]
+    results = [{**FakeRunner.result(job), "throughput": {"hardware": "NVIDIA H200", "results": rows}}]
     Report(p, results, [], "CPU", "python compare.py", 1).write(tmp_path)
-    assert "tokens/s: the throughput phase (one GPU alone, compiled, with short_conv 3 for every short_conv" in (
-        tmp_path / "report.md").read_text()
+    assert ("tokens/s: the throughput phase, alone on one NVIDIA H200 (compiled, with short_conv 3 for every "
+            "short_conv") in (tmp_path / "report.md").read_text()
     data = json.loads((tmp_path / "results.json").read_text())
-    assert data["tokens_per_s_conv"] == 3
+    assert data["tokens_per_s_conv"] == 3 and data["tokens_per_s_gpu"] == "NVIDIA H200"
     assert {c["conv"]: c["tokens_per_s"] for c in data["cells"] if c["variant"] == "softmax"} == {0: 1000.0,
                                                                                                  3: 1000.0}
 
 
-def test_recall_takes_each_attentions_best_rate_on_the_easiest_cell():
+def test_the_report_names_the_gpus_its_runs_trained_on(tmp_path):
+    p = protocol(seq_lens=(32,))
+    jobs = grid_jobs(p, "runs", {(v, c, 32): 1e-3 for v in p.variants for c in p.convs})
+    gpus = ["NVIDIA H200", "NVIDIA H200", "NVIDIA H100 80GB HBM3", None]  # None: a run from before it was recorded
+    results = [{**FakeRunner.result(j), "gpu": gpu} for j, gpu in zip(jobs, gpus)]
+    Report(p, results, jobs, "1 x NVIDIA H100 80GB HBM3, torch 2.11", "python compare.py", 1).write(tmp_path)
+    trained_on = "NVIDIA H200 (2 runs), NVIDIA H100 80GB HBM3 (1 run), not recorded (1 run)"
+    assert (f"on 1 x NVIDIA H100 80GB HBM3, torch 2.11; the runs trained on {trained_on}."
+            in (tmp_path / "report.md").read_text())
+    assert json.loads((tmp_path / "results.json").read_text())["trained_on"] == trained_on
+
+
+def test_recall_takes_each_attentions_fastest_rate_on_the_easiest_cell():
     p = protocol()
     runs = [{"phase": "recall", "status": "ok", "variant": v, "seed": 0, "seq_len": 32, "pairs": 4, "lr": lr,
              "test_accuracy": acc, "steps": steps}
-            for v, lr, acc, steps in (("softmax", 1e-3, 1.0, 800), ("softmax", 3e-3, 1.0, 300),
+            for v, lr, acc, steps in (("softmax", 1e-3, 1.0, 800), ("softmax", 3e-3, 0.9999, 300),
                                       ("cosine", 1e-3, 0.4, 10), ("cosine", 3e-3, 0.2, 10))]
+    # softmax: both solve it, 3e-3 in fewer steps (its accuracy a hair lower); cosine: a tie on steps, then accuracy
     assert recall_rates(p, runs) == {"softmax": 3e-3, "cosine": 1e-3}
     assert recall_rates(p, runs[:3]) == {"softmax": 3e-3}  # cosine's sweep is not done
 
@@ -235,7 +249,7 @@ class FakeRunner:
         if job.phase == "throughput":
             rows = [{"variant": v, "seq_len": job.seq_len, "ok": True,
                      "tokens_per_s": 2000.0 if v == "cosine" else 1000.0} for v in ("softmax", "cosine")]
-            return {**base, "throughput": {"results": rows}}
+            return {**base, "throughput": {"hardware": "NVIDIA H200", "results": rows}}
         if job.pairs is not None:
             return {**base, "test_accuracy": 1.0 if job.lr == 3e-3 else 0.5}
         # The highest rate wins the sweep; the grid's cosine differs from softmax by noise alone.
@@ -274,11 +288,11 @@ def test_the_queue_resumes_a_killed_run_skips_done_ones_and_retries_failures(tmp
     # A run that a killed study left half done: its checkpoint, and no result.
     import train
     assert train.main([*job.commands[0][1:], "--max_iters", "4"]) == 0
-    runner = Runner(runs, [None], deadline=math.inf, log=lambda *_: None)
+    runner = Runner(runs, [None], deadline=math.inf, log=lambda *_: None, gpus={None: "CPU"})
     assert runner.pending([job]) == [job]
     assert runner.run([job])
     result = read_result(runs / job.name)
-    assert result["status"] == "ok" and result["steps"] == p.steps
+    assert result["status"] == "ok" and result["steps"] == p.steps and result["gpu"] == "CPU"
     rows = [json.loads(line) for line in (runs / job.name / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, p.steps + 1))
     assert result["evaluation"]["same_target"]["cuts"] == [16, 32, 64]
@@ -295,6 +309,17 @@ def test_the_queue_resumes_a_killed_run_skips_done_ones_and_retries_failures(tmp
     (longer,) = grid_jobs(dataclasses.replace(p, epochs=4.0), str(runs), {("softmax", 0, 32): 2e-3})
     with pytest.raises(StudyError, match="other settings .*grid_softmax_c0_T32"):
         runner.run([longer])
+
+
+def test_a_worker_runs_on_the_gpu_its_index_names_among_those_the_study_was_given(tmp_path, monkeypatch):
+    runner = Runner(tmp_path, ["1"], deadline=math.inf, log=lambda *_: None)
+    show = [sys.executable, "-c", "import os; print('visible', os.environ['CUDA_VISIBLE_DEVICES'])"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")  # the study was given GPUs 5 and 7: its GPU 1 is 7
+    assert runner._subprocess(show, tmp_path / "a.log", "1") == (0, False)
+    assert "visible 7" in (tmp_path / "a.log").read_text()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert runner._subprocess(show, tmp_path / "b.log", "1") == (0, False)
+    assert "visible 1" in (tmp_path / "b.log").read_text()
 
 
 def test_throughput_is_a_process_per_context_with_every_variant():
@@ -473,6 +498,17 @@ def test_the_recall_probe_is_unsettled_until_softmax_has_run_every_seed(tmp_path
     assert "Not settled yet" in verdict([recall(seeds[0], 1.0)])
     assert "**The probe is invalid**" in verdict([recall(seeds[0], 0.01)])  # one failure settles it
     assert "in every seed: the probe can tell the attentions apart" in verdict([recall(s, 1.0) for s in seeds])
+
+
+def test_the_recall_table_flags_a_rate_at_the_edge_of_the_sweep(tmp_path):
+    p = protocol(variants=("softmax", "cosine"), recall_lrs=(1e-3, 3e-3, 1e-2))
+    (t, n) = p.recall_cells[0]
+    fastest = {"softmax": 1e-2, "cosine": 3e-3}
+    results = [{**recall_result(v, p.sweep_seed, t, n, 1.0), "name": f"sweep_{v}_{lr}", "lr": lr,
+                "steps": 100 if lr == fastest[v] else 400} for v in p.variants for lr in p.recall_lrs]
+    Report(p, results, [], "CPU", "python compare.py", 1).write(tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "| softmax (SDPA) | 0.01 **edge** |" in md and "| cosine (PyTorch reference) | 0.003 |" in md
 
 
 def test_a_pilot_says_so_and_how_to_run_the_full_study(tmp_path):
