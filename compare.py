@@ -38,7 +38,7 @@ from lab.config import WANDB_MODES, usage_error
 from lab.config import parse_args as parse_train_args
 from model import GPT
 from model.variants import VARIANTS
-from study.jobs import CUTS, TARGETS, Protocol, grid_jobs, lr_table, recall_sweep_jobs, swept_context, sweep_jobs
+from study.jobs import CUTS, TARGETS, Protocol, grid_jobs, lr_table, recall_jobs, swept_context, sweep_jobs
 from study.phases import collect, run_study
 from study.report import Report
 from study.runner import Runner, StudyError
@@ -123,7 +123,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="the recall probe's LENGTHxPAIRS cells, the easiest first; empty = no probe "
         "(default 256x16,256x64,1024x16,1024x64)")
     add("--recall-lrs", type=float_list, default=[3e-4, 1e-3, 3e-3, 1e-2],
-        help="rates each attention tries on the easiest recall cell (default 3e-4,1e-3,3e-3,1e-2)")
+        help="rates every recall cell and seed runs at, each cell reported at its best "
+        "(default 3e-4,1e-3,3e-3,1e-2)")
     add("--recall-steps", type=int, default=4000, help="steps at most per recall run (default %(default)s)")
     add("--recall-config", default="configs/recall", help="train.py config of the recall runs")
     add("--stop-accuracy", type=float, default=0.99, help="a recall run ends once its val accuracy reaches this "
@@ -243,9 +244,9 @@ def dry_run(p: Protocol, runs_dir: str) -> None:
           f"{p.train_bytes:,} train bytes")
     if len(p.lrs) > 1:
         print(f"# the grid takes the rates the sweep chooses (extended past a winning edge); shown with {p.lrs[0]:g}; "
-              "more seeds, throughput, equal compute and the recall runs follow from results")
+              "more seeds, throughput and equal compute follow from results")
     first = {(v, c, swept_context(p, t)): p.lrs[0] for v in p.variants for c in p.convs for t in p.seq_lens}
-    for job in sweep_jobs(p, runs_dir) + grid_jobs(p, runs_dir, lr_table(p, first)) + recall_sweep_jobs(p, runs_dir):
+    for job in sweep_jobs(p, runs_dir) + grid_jobs(p, runs_dir, lr_table(p, first)) + recall_jobs(p, runs_dir):
         for command in job.commands:
             print(shlex.join(["python", *command]))
 

@@ -19,8 +19,8 @@ Phases, in order; study/phases.py runs them, each decided from the results of th
   the test split as the grid's are (without their context curves). A variant within SAME_SPEED of the
   reference's tokens/s is not run again: its equal-compute run would be its grid run to within a few percent
   of the steps, so the grid's comparison stands for it.
-- recall: a rate per variant on the easiest cell (sweep_seed), then every variant x cell x seed at it, each
-  run ending as soon as its val accuracy reaches stop_accuracy (Zoology's protocol).
+- recall: every variant x cell x seed at every rate of recall_lrs, each run ending as soon as its val accuracy
+  reaches stop_accuracy; each cell reported at its best rate (Zoology's protocol).
 
 Budget: every enwik8 run of the sweep and grid trains on epochs x the train split's bytes, tokens_per_step
 tokens a step (batch = tokens_per_step / context), warmup over the first tenth, cosine decay to a tenth of
@@ -268,17 +268,10 @@ def compute_jobs(p: Protocol, out_dir: str, lrs: dict, speed: dict) -> list[Job]
             if (v, c, t) in ratios and not same_speed(ratios[v, c, t])]
 
 
-def recall_sweep_jobs(p: Protocol, out_dir: str) -> list[Job]:
-    """Each variant's recall rate: every rate of recall_lrs on the easiest cell, with sweep_seed."""
-    if not p.recall_cells:
-        return []
-    t, pairs = p.recall_cells[0]
-    return [make_job(p, out_dir, "recall", v, t, p.sweep_seed, lr, steps=p.recall_steps, pairs=pairs)
-            for v in p.variants for lr in p.recall_lrs]
-
-
-def recall_jobs(p: Protocol, out_dir: str, lr_of: dict[str, float]) -> list[Job]:
-    """Every variant x cell x seed at its recall rate: whether a model learns recall is close to all or nothing
-    and varies with the seed, so the report counts the seeds that solved each cell."""
-    return [make_job(p, out_dir, "recall", v, t, s, lr_of[v], steps=p.recall_steps, pairs=pairs)
-            for s in p.seeds for t, pairs in p.recall_cells for v in p.variants if v in lr_of]
+def recall_jobs(p: Protocol, out_dir: str) -> list[Job]:
+    """Every variant x cell x seed at every rate of recall_lrs: the report takes each cell at its best rate
+    (phases.recall_best). Whether a model learns recall is close to all or nothing and varies with the seed, so
+    the report counts the seeds that solved each cell. The easiest cell first: it settles whether the probe is valid,
+    and a study cut short reports whole cells."""
+    return [make_job(p, out_dir, "recall", v, t, s, lr, steps=p.recall_steps, pairs=pairs)
+            for t, pairs in p.recall_cells for v in p.variants for s in p.seeds for lr in p.recall_lrs]

@@ -8,10 +8,11 @@ import json
 from pathlib import Path
 
 from study.jobs import (GRID_PHASES, MAX_EXTENSIONS, Job, Protocol, bracket, compute_jobs, grid_jobs, lr_table,
-                        recall_jobs, recall_sweep_jobs, sweep_jobs, throughput_jobs)
+                        recall_jobs, sweep_jobs, throughput_jobs)
 from study.stats import holm, paired
 
 ALPHA = 0.05  # the family-wise error rate of the comparisons the report words (Holm)
+SOLVED = 0.95  # recall test accuracy from which a run counts as having solved its cell (chance is 1/128)
 
 
 def collect(runs_dir: Path, jobs: list[Job]) -> list[dict]:
@@ -150,21 +151,27 @@ def speed_gpu(results: list[dict]) -> str | None:
     return ", ".join(sorted({r["throughput"]["hardware"] for r in ok(results, "throughput")})) or None
 
 
-def recall_rates(p: Protocol, results: list[dict]) -> dict[str, float]:
-    """variant -> the recall rate of its sweep on the easiest cell, for variants whose sweep is done: the fewest
-    steps to reach the stop accuracy (a run that never does runs to the cap), then the highest test accuracy.
-    Steps come first because runs that solve the cell differ in test accuracy by noise (1e-4) but in steps by
-    up to 4x, and a slow rate is the one that runs out of steps on the harder cells."""
-    if not p.recall_cells:
-        return {}
-    t, pairs = p.recall_cells[0]
+def recall_best(p: Protocol, results: list[dict]) -> dict[tuple[str, int, int], tuple[float, list[dict]]]:
+    """(variant, length, pairs) -> (its rate, the runs at it) for each recall cell whose every rate has run every
+    seed: the rate that solved the cell in the most seeds, then in the fewest steps over them (a run that never
+    solves it runs to the cap), then the smaller rate. Zoology reports each cell at its best rate: a rate chosen
+    on one cell does not carry to another (a rate that solves the easiest cell fastest may never learn the
+    hardest within the cap, where a smaller one does)."""
+    runs: dict = {}
+    for r in ok(results, "recall"):
+        if r["seed"] in p.seeds and r["lr"] in p.recall_lrs:
+            runs.setdefault((r["variant"], r["seq_len"], r["pairs"]), {}).setdefault(r["lr"], []).append(r)
     out = {}
-    for v in p.variants:
-        runs = [r for r in ok(results, "recall") if r["variant"] == v and r["seed"] == p.sweep_seed
-                and (r["seq_len"], r["pairs"]) == (t, pairs) and r["lr"] in p.recall_lrs]
-        if len({r["lr"] for r in runs}) == len(p.recall_lrs):
-            out[v] = min(runs, key=lambda r: (r["steps"], -r["test_accuracy"], r["lr"]))["lr"]
+    for cell, by_lr in runs.items():
+        if len(by_lr) == len(p.recall_lrs) and all(len(rs) == len(p.seeds) for rs in by_lr.values()):
+            lr = min(by_lr, key=lambda lr: (-solved(by_lr[lr]), sum(r["steps"] for r in by_lr[lr]), lr))
+            out[cell] = lr, by_lr[lr]
     return out
+
+
+def solved(runs: list[dict]) -> int:
+    """How many of these recall runs solved their cell."""
+    return sum(r["test_accuracy"] >= SOLVED for r in runs)
 
 
 # ----------------------------------------------------------------------------- the study
@@ -199,6 +206,4 @@ def run_study(p: Protocol, runner, out_dir: str) -> tuple[list[Job], bool]:
             return planned, False
         if not run(compute_jobs(p, out_dir, lrs, speeds(p, results()))):
             return planned, False
-    if not run(recall_sweep_jobs(p, out_dir)):
-        return planned, False
-    return planned, run(recall_jobs(p, out_dir, recall_rates(p, results())))
+    return planned, run(recall_jobs(p, out_dir))

@@ -25,14 +25,13 @@ from model.attention import layer_window
 from model.diagnostics import QUERIES
 from model.variants import VARIANTS
 from study.jobs import GRID_PHASES, SAME_SPEED, Protocol, same_speed, speed_ratios
-from study.phases import (ALPHA, cell_values, chosen_rates, established, metric, next_rates, paired_comparisons,
-                          recall_rates, speed_conv, speed_gpu, speeds, sweep_scores)
+from study.phases import (ALPHA, SOLVED, cell_values, chosen_rates, established, metric, next_rates,
+                          paired_comparisons, recall_best, solved, speed_conv, speed_gpu, speeds, sweep_scores)
 from study.stats import bootstrap_mean_grouped, fmt_interval, mean_interval, paired
 
 QUALITY_FLOOR_BPC = 2.0  # a model of this size that learned anything is well below it on enwik8
 MEMORISING_BPC = 0.02  # a final val bpc this far above the run's best evaluation: it began to memorise
 HOLDS = 1.02  # the unseen half "holds" when its bpc is at most this times the trained context's (upper bound)
-SOLVED = 0.95  # recall test accuracy from which a run counts as having solved its cell (chance is 1/128)
 
 
 class ContextUse(NamedTuple):
@@ -445,41 +444,45 @@ class Report:
         p = self.p
         if not p.recall_cells:
             return []
-        rates = recall_rates(p, self.results)
-        runs = defaultdict(list)
-        for r in self.results:
-            if r["phase"] == "recall" and r["status"] == "ok" and r["seed"] in p.seeds:
-                runs[r["variant"], r["seq_len"], r["pairs"]].append(r)
+        best = recall_best(p, self.results)
         t0, n0 = p.recall_cells[0]
-        easiest = runs.get((p.reference, t0, n0), [])
-        failed = sorted(r["seed"] for r in easiest if r["test_accuracy"] < SOLVED)
         cell = f"the easiest cell ({t0:,} bytes, {n0} pairs)"
-        if failed:
-            verdict = (f"**The probe is invalid**: {label(p.reference)} solved {cell} in {len(easiest) - len(failed)} "
-                       f"of {len(easiest)} finished seeds (of {len(p.seeds)}), so a failure here does not tell the "
-                       "attentions apart.")
-        elif len(easiest) == len(p.seeds):
-            verdict = f"{label(p.reference)} solved {cell} in every seed: the probe can tell the attentions apart."
-        else:  # an incomplete study's report: no seed has failed yet, nor have all run
-            verdict = (f"Not settled yet: {label(p.reference)} has solved {cell} in {len(easiest)} of "
-                       f"{len(p.seeds)} seeds so far; the probe tells the attentions apart only if it solves it "
-                       "in every seed.")
+        easiest = [r for r in self.results if r["phase"] == "recall" and r["status"] == "ok" and r["seed"] in p.seeds
+                   and (r["variant"], r["seq_len"], r["pairs"]) == (p.reference, t0, n0)]
+        failing = {r["lr"] for r in easiest if not solved([r])}  # rates that cannot solve it in every seed
+        if (p.reference, t0, n0) in best or len(failing) == len(p.recall_lrs):
+            lr, runs = best.get((p.reference, t0, n0), (None, []))
+            if solved(runs) == len(p.seeds):
+                verdict = (f"{label(p.reference)} solved {cell} in every seed at its best rate: the probe can tell "
+                           "the attentions apart.")
+            else:
+                verdict = (f"**The probe is invalid**: at no rate did {label(p.reference)} solve {cell} in every "
+                           "seed, so a failure here does not tell the attentions apart.")
+        else:  # an incomplete study's report
+            verdict = (f"Not settled yet: {len(easiest)} of {len(p.recall_lrs) * len(p.seeds)} of "
+                       f"{label(p.reference)}'s runs of {cell} have finished; the probe tells the attentions apart "
+                       "only if it solves it in every seed at some rate.")
+        edges = (min(p.recall_lrs), max(p.recall_lrs))
         out = ["## Associative recall", "",
-               f"Multi-query associative recall (`--task recall`, `{p.recall_config}`), Zoology's protocol: each "
-               f"attention's rate the fastest of {', '.join(f'{lr:g}' for lr in p.recall_lrs)} to solve the easiest "
-               f"cell (seed {p.sweep_seed}: the fewest steps to the stop accuracy, then the highest test accuracy; "
-               "**edge**: the smallest or largest rate tried, a sweep not extended); every run ends once its val "
-               f"accuracy reaches {p.stop_accuracy:g}, or at {p.recall_steps} steps. Cells: seeds that solved it "
-               f"(test accuracy >= {SOLVED}) of those run; chance is 1/128.", "", verdict, "",
-               "| variant | rate | " + " | ".join(f"{t:,} bytes, {n} pairs" for t, n in p.recall_cells) + " |",
-               "| --- | ---: |" + " ---: |" * len(p.recall_cells)]
+               f"Multi-query associative recall (`--task recall`, `{p.recall_config}`), Zoology's protocol: every "
+               f"cell and seed at each rate of {', '.join(f'{lr:g}' for lr in p.recall_lrs)}, every run ending once "
+               f"its val accuracy reaches {p.stop_accuracy:g}, or at {p.recall_steps} steps. Cells: the seeds that "
+               f"solved it (test accuracy >= {SOLVED}) at the cell's best rate (in parentheses: the most seeds, then "
+               "the fewest steps; **edge**: the smallest or largest rate tried, a sweep not extended); chance is "
+               "1/128.",
+               "", verdict, "",
+               "| variant | " + " | ".join(f"{t:,} bytes, {n} pairs" for t, n in p.recall_cells) + " |",
+               "| --- |" + " ---: |" * len(p.recall_cells)]
         for v in p.variants:
             cells = []
             for t, n in p.recall_cells:
-                rs = runs.get((v, t, n), [])
-                cells.append("–" if not rs else f"{sum(r['test_accuracy'] >= SOLVED for r in rs)}/{len(rs)}")
-            edge = " **edge**" if rates.get(v) in (min(p.recall_lrs), max(p.recall_lrs)) else ""
-            out.append(f"| {label(v)} | {fmt(rates.get(v), 'g')}{edge} | " + " | ".join(cells) + " |")
+                if (v, t, n) not in best:
+                    cells.append("–")
+                    continue
+                lr, runs = best[v, t, n]
+                edge = ", **edge**" if lr in edges else ""
+                cells.append(f"{solved(runs)}/{len(runs)} ({lr:g}{edge})" if solved(runs) else f"0/{len(runs)}")
+            out.append(f"| {label(v)} | " + " | ".join(cells) + " |")
         return out + [""]
 
     # ------------------------------------------------------------------ plots

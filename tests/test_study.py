@@ -18,7 +18,7 @@ from lab.config import parse_args
 from study.jobs import (Job, Protocol, bracket, compute_jobs, grid_jobs, lr_table, make_job, swept_context,
                         sweep_jobs, throughput_jobs)
 from study.phases import (cells_needing_seeds, chosen_rates, comparisons, established, extra_seeds, next_rates,
-                          paired_comparisons, recall_rates, run_study)
+                          paired_comparisons, recall_best, run_study)
 from study.report import Report
 from study.runner import Runner, StudyError, command_lines, read_result
 from study.stats import paired
@@ -49,7 +49,7 @@ def test_the_budget_is_sized_to_the_data_and_every_run_shares_it(capsys, data_pa
     sweep = [c for c in configs if c.run_name.startswith("sweep_")]
     grid = [c for c in configs if c.run_name.startswith("grid_")]
     recall = [c for c in configs if c.task == "recall"]
-    assert len(sweep) == 4 * 2 * 2 * 3 and len(grid) == 4 * 2 * 3 * 3 and len(recall) == 4 * 4
+    assert len(sweep) == 4 * 2 * 2 * 3 and len(grid) == 4 * 2 * 3 * 3 and len(recall) == 4 * 4 * 3 * 4
     assert {(c.batch_size * c.seq_len, c.max_iters, c.warmup_iters, c.lr_decay_iters) for c in sweep + grid} == {
         (32768, steps, steps // 10, steps)}
     assert {c.seq_len for c in sweep} == {1024, 32768} and {c.seed for c in sweep} == {0}
@@ -58,9 +58,11 @@ def test_the_budget_is_sized_to_the_data_and_every_run_shares_it(capsys, data_pa
         ("softmax", False, 0), ("cosine", True, 0), ("fastmax", True, 0), ("fastmax", True, 64)}
     assert all(c.keep_best and c.final_eval_max_windows == c.eval_max_windows for c in sweep + grid)
     assert all(c.min_lr == pytest.approx(c.lr / 10) and c.sample_tokens == 0 for c in configs)
-    assert {(c.seq_len, c.recall_pairs, c.stop_accuracy) for c in recall} == {(256, 16, 0.99)}
+    assert {(c.seq_len, c.recall_pairs, c.stop_accuracy) for c in recall} == {
+        (256, 16, 0.99), (256, 64, 0.99), (1024, 16, 0.99), (1024, 64, 0.99)}
+    assert {c.lr for c in recall} == {3e-4, 1e-3, 3e-3, 1e-2} and {c.seed for c in recall} == {1, 2, 3}
     assert {c.wandb_tags.split(",")[-1] for c in grid} == {"conv0", "conv3"}
-    assert {c.wandb_tags.split(",")[-1] for c in recall} == {"P16"}  # configs/recall's convolution, not conv0
+    assert {c.wandb_tags.split(",")[-1] for c in recall} == {"P16", "P64"}  # configs/recall's conv, not conv0
     evaluations = [line for line in out if line.startswith("python scripts/evaluate.py ")]
     assert len(evaluations) == len(grid)
     assert any("--same-target 256,1024,4096,16384,32768,65536 --targets 2048 --window 67584" in e for e in evaluations)
@@ -117,9 +119,9 @@ def grid_result(v, c, t, seed, test_bpc, phase="grid", lr=2e-3, **more):
             "evaluation": {"bpc": test_bpc}, "commands": [], **more}
 
 
-def recall_result(v, seed, t, pairs, accuracy):
-    return {"name": f"recall_{v}_{seed}_{t}", "phase": "recall", "variant": v, "seed": seed, "seq_len": t,
-            "pairs": pairs, "lr": 3e-3, "status": "ok", "steps": 10, "conv": 0, "commands": [],
+def recall_result(v, seed, t, pairs, accuracy, lr=3e-3, steps=10):
+    return {"name": f"recall_{v}_P{pairs}_T{t}_lr{lr:g}_s{seed}", "phase": "recall", "variant": v, "seed": seed,
+            "seq_len": t, "pairs": pairs, "lr": lr, "status": "ok", "steps": steps, "conv": 0, "commands": [],
             "test_accuracy": accuracy}
 
 
@@ -216,15 +218,22 @@ def test_the_report_names_the_gpus_its_runs_trained_on(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["trained_on"] == trained_on
 
 
-def test_recall_takes_each_attentions_fastest_rate_on_the_easiest_cell():
-    p = protocol()
-    runs = [{"phase": "recall", "status": "ok", "variant": v, "seed": 0, "seq_len": 32, "pairs": 4, "lr": lr,
-             "test_accuracy": acc, "steps": steps}
-            for v, lr, acc, steps in (("softmax", 1e-3, 1.0, 800), ("softmax", 3e-3, 0.9999, 300),
-                                      ("cosine", 1e-3, 0.4, 10), ("cosine", 3e-3, 0.2, 10))]
-    # softmax: both solve it, 3e-3 in fewer steps (its accuracy a hair lower); cosine: a tie on steps, then accuracy
-    assert recall_rates(p, runs) == {"softmax": 3e-3, "cosine": 1e-3}
-    assert recall_rates(p, runs[:3]) == {"softmax": 3e-3}  # cosine's sweep is not done
+def test_recall_takes_each_cell_at_the_rate_that_solved_it_in_the_most_seeds_then_fastest():
+    p = protocol(variants=("softmax",), recall_lrs=(1e-3, 3e-3, 1e-2))
+    easy, hard = p.recall_cells
+    # (lr, seed) -> (test accuracy, steps); a run that never solves its cell runs to the cap (10 steps)
+    easiest = {1e-3: [(1.0, 8), (1.0, 9), (1.0, 9)], 3e-3: [(1.0, 3), (0.9999, 4), (1.0, 3)],
+               1e-2: [(1.0, 2), (0.02, 10), (1.0, 2)]}
+    hardest = {1e-3: [(0.97, 9), (1.0, 9), (0.5, 10)], 3e-3: [(0.03, 10)] * 3, 1e-2: [(0.9, 10)] * 3}
+    runs = [recall_result("softmax", seed, t, n, acc, lr, steps)
+            for (t, n), by_lr in ((easy, easiest), (hard, hardest))
+            for lr, rows in by_lr.items() for seed, (acc, steps) in zip(p.seeds, rows)]
+    best = recall_best(p, runs)
+    # easiest: 1e-3 and 3e-3 solve every seed, 3e-3 in fewer steps (its accuracy a hair lower); 1e-2 fails a seed
+    assert best["softmax", *easy][0] == 3e-3 and len(best["softmax", *easy][1]) == 3
+    # hardest: the smallest rate is the only one to solve it at all (2 seeds of 3)
+    assert best["softmax", *hard][0] == 1e-3
+    assert ("softmax", *hard) not in recall_best(p, runs[:-1])  # a seed not run yet: the cell is not settled
 
 
 class FakeRunner:
@@ -273,8 +282,8 @@ def test_the_phases_follow_each_other_from_their_results(tmp_path):
     compute = [j for j in runner.ran if j.phase == "compute"]
     assert {(j.variant, j.steps) for j in compute} == {("cosine", 2 * p.steps)} and len(compute) == len(p.seeds)
     recall = [j for j in runner.ran if j.phase == "recall"]
-    assert {j.lr for j in recall if j.seed != p.sweep_seed} == {3e-3}
-    assert len([j for j in recall if j.seed != p.sweep_seed]) == 2 * len(p.recall_cells) * len(p.seeds)
+    assert {j.lr for j in recall} == set(p.recall_lrs) and {j.seed for j in recall} == set(p.seeds)
+    assert len(recall) == 2 * len(p.recall_cells) * len(p.seeds) * len(p.recall_lrs)
 
 
 # ----------------------------------------------------------------------------- the queue
@@ -403,9 +412,9 @@ def report_results(p: Protocol) -> list[dict]:
     # Equal compute: cosine again with twice the steps, 0.1 better than its equal-token runs.
     results += [grid_result("cosine", 0, 32, seed, 1.5 + 0.01 * rng.standard_normal(), phase="compute", steps=20)
                 for seed in p.seeds]
-    # Recall: softmax solves the easiest cell with two seeds of three: the probe is invalid.
-    results += [recall_result(v, seed, t, n, 1.0 if v == "softmax" and seed != 3 else 0.01)
-                for v in p.variants for seed in (*p.seeds, p.sweep_seed) for t, n in p.recall_cells]
+    # Recall: at its best rate softmax solves the easiest cell with two seeds of three: the probe is invalid.
+    results += [recall_result(v, seed, t, n, 1.0 if v == "softmax" and seed != 3 and lr == 3e-3 else 0.01, lr)
+                for v in p.variants for seed in p.seeds for t, n in p.recall_cells for lr in p.recall_lrs]
     results.append({**results[-1], "name": "broken", "status": "failed (exit 1): out of memory"})
     return results
 
@@ -465,8 +474,10 @@ def test_the_report_words_follow_the_statistics(tmp_path):
     assert "| cosine - softmax, conv 0, 32 | 3 | -0.2" in table
     assert f"adjusted over all {len(comparisons(p))} comparisons" in table
     assert "1 grid run(s) ended more than 0.02 bpc above their best evaluation" in md
-    assert "**The probe is invalid**: softmax (SDPA) solved the easiest cell (32 bytes, 4 pairs) in 2 of 3" in md
-    assert "| softmax (SDPA) | – | 2/3 | 2/3 |" in md  # no rate: its recall sweep is not in these results
+    assert ("**The probe is invalid**: at no rate did softmax (SDPA) solve the easiest cell (32 bytes, 4 pairs) "
+            "in every seed") in md
+    assert "| softmax (SDPA) | 2/3 (0.003, **edge**) | 2/3 (0.003, **edge**) |" in md
+    assert "| cosine (PyTorch reference) | 0/3 | 0/3 |" in md
     assert "## How concentrated each attention's weights are" in md and "| 0.300 | 2.000 | 4.000 |" in md
     compute = md.split("## Equal compute")[1].split("##")[0]
     assert "| cosine (PyTorch reference) | 0 | 32 | 20 | 1.5" in compute and "| -0.3" in compute
@@ -483,32 +494,35 @@ def test_the_report_words_follow_the_statistics(tmp_path):
     assert len(saved["cells"]) == len(p.variants) * len(p.convs) * len(p.seq_lens)
 
 
-def test_the_recall_probe_is_unsettled_until_softmax_has_run_every_seed(tmp_path):
+def test_the_recall_probe_is_unsettled_until_softmax_has_run_every_seed_at_every_rate(tmp_path):
     p = protocol()
     (t, n), seeds = p.recall_cells[0], p.seeds
 
-    def recall(seed: int, accuracy: float) -> dict:
-        return recall_result("softmax", seed, t, n, accuracy)
+    def recall(seed: int, lr: float, accuracy: float) -> dict:
+        return recall_result("softmax", seed, t, n, accuracy, lr)
 
     def verdict(results: list[dict]) -> str:
         Report(p, results, [], "CPU", "python compare.py", 1).write(tmp_path)
         return (tmp_path / "report.md").read_text().split("## Associative recall")[1].split("|")[0]
 
-    assert "Not settled yet: softmax (SDPA) has solved the easiest cell (32 bytes, 4 pairs) in 0 of 3" in verdict([])
-    assert "Not settled yet" in verdict([recall(seeds[0], 1.0)])
-    assert "**The probe is invalid**" in verdict([recall(seeds[0], 0.01)])  # one failure settles it
-    assert "in every seed: the probe can tell the attentions apart" in verdict([recall(s, 1.0) for s in seeds])
+    assert "Not settled yet: 0 of 6 of softmax (SDPA)'s runs of the easiest cell (32 bytes, 4 pairs)" in verdict([])
+    solves_at_1e3 = [recall(s, 1e-3, 1.0) for s in seeds]
+    assert "Not settled yet: 3 of 6" in verdict(solves_at_1e3)  # 3e-3 might solve it faster: not run yet
+    fails = [recall(seeds[0], lr, 0.01) for lr in p.recall_lrs]
+    assert "**The probe is invalid**" in verdict(fails)  # a failing seed at every rate settles it
+    assert "in every seed at its best rate: the probe can tell the attentions apart" in verdict(
+        solves_at_1e3 + [recall(s, 3e-3, 0.01) for s in seeds])
 
 
 def test_the_recall_table_flags_a_rate_at_the_edge_of_the_sweep(tmp_path):
     p = protocol(variants=("softmax", "cosine"), recall_lrs=(1e-3, 3e-3, 1e-2))
-    (t, n) = p.recall_cells[0]
     fastest = {"softmax": 1e-2, "cosine": 3e-3}
-    results = [{**recall_result(v, p.sweep_seed, t, n, 1.0), "name": f"sweep_{v}_{lr}", "lr": lr,
-                "steps": 100 if lr == fastest[v] else 400} for v in p.variants for lr in p.recall_lrs]
+    results = [recall_result(v, seed, t, n, 1.0, lr, 100 if lr == fastest[v] else 400)
+               for v in p.variants for lr in p.recall_lrs for seed in p.seeds for t, n in p.recall_cells]
     Report(p, results, [], "CPU", "python compare.py", 1).write(tmp_path)
     md = (tmp_path / "report.md").read_text()
-    assert "| softmax (SDPA) | 0.01 **edge** |" in md and "| cosine (PyTorch reference) | 0.003 |" in md
+    assert "| softmax (SDPA) | 3/3 (0.01, **edge**) | 3/3 (0.01, **edge**) |" in md
+    assert "| cosine (PyTorch reference) | 3/3 (0.003) | 3/3 (0.003) |" in md
 
 
 def test_a_pilot_says_so_and_how_to_run_the_full_study(tmp_path):
@@ -577,7 +591,7 @@ def test_a_tiny_study_runs_end_to_end_and_a_second_call_redoes_nothing(tmp_path,
     assert compare.main(args) == 0
     results = json.loads((tmp_path / "report" / "results.json").read_text())["runs"]
     phases = [r["phase"] for r in results]
-    assert {p: phases.count(p) for p in phases} == {"grid": 4, "throughput": 1, "compute": 2, "recall": 4 + 4}
+    assert {p: phases.count(p) for p in phases} == {"grid": 4, "throughput": 1, "compute": 2, "recall": 2 * 2 * 2}
     assert all(r["status"] == "ok" for r in results)
     grid = [r for r in results if r["phase"] in ("grid", "compute")]
     assert all(math.isfinite(r["evaluation"]["bpc"]) for r in grid)  # equal compute is scored as the grid is
