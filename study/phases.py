@@ -151,18 +151,23 @@ def speed_gpu(results: list[dict]) -> str | None:
     return ", ".join(sorted({r["throughput"]["hardware"] for r in ok(results, "throughput")})) or None
 
 
+def recall_runs(p: Protocol, results: list[dict]) -> dict[tuple[str, int, int], dict[float, list[dict]]]:
+    """(variant, length, pairs) -> rate -> the finished recall runs of the protocol's seeds at it."""
+    runs: dict = {}
+    for r in ok(results, "recall"):
+        if r["seed"] in p.seeds and r["lr"] in p.recall_lrs:
+            runs.setdefault((r["variant"], r["seq_len"], r["pairs"]), {}).setdefault(r["lr"], []).append(r)
+    return runs
+
+
 def recall_best(p: Protocol, results: list[dict]) -> dict[tuple[str, int, int], tuple[float, list[dict]]]:
     """(variant, length, pairs) -> (its rate, the runs at it) for each recall cell whose every rate has run every
     seed: the rate that solved the cell in the most seeds, then in the fewest steps over them (a run that never
     solves it runs to the cap), then the smaller rate. Zoology reports each cell at its best rate: a rate chosen
     on one cell does not carry to another (a rate that solves the easiest cell fastest may never learn the
     hardest within the cap, where a smaller one does)."""
-    runs: dict = {}
-    for r in ok(results, "recall"):
-        if r["seed"] in p.seeds and r["lr"] in p.recall_lrs:
-            runs.setdefault((r["variant"], r["seq_len"], r["pairs"]), {}).setdefault(r["lr"], []).append(r)
     out = {}
-    for cell, by_lr in runs.items():
+    for cell, by_lr in recall_runs(p, results).items():
         if len(by_lr) == len(p.recall_lrs) and all(len(rs) == len(p.seeds) for rs in by_lr.values()):
             lr = min(by_lr, key=lambda lr: (-solved(by_lr[lr]), sum(r["steps"] for r in by_lr[lr]), lr))
             out[cell] = lr, by_lr[lr]

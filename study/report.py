@@ -26,7 +26,8 @@ from model.diagnostics import QUERIES
 from model.variants import VARIANTS
 from study.jobs import GRID_PHASES, SAME_SPEED, Protocol, same_speed, speed_ratios
 from study.phases import (ALPHA, SOLVED, cell_values, chosen_rates, established, metric, next_rates,
-                          paired_comparisons, recall_best, solved, speed_conv, speed_gpu, speeds, sweep_scores)
+                          paired_comparisons, recall_best, recall_runs, solved, speed_conv, speed_gpu, speeds,
+                          sweep_scores)
 from study.stats import bootstrap_mean_grouped, fmt_interval, mean_interval, paired
 
 QUALITY_FLOOR_BPC = 2.0  # a model of this size that learned anything is well below it on enwik8
@@ -447,11 +448,10 @@ class Report:
         best = recall_best(p, self.results)
         t0, n0 = p.recall_cells[0]
         cell = f"the easiest cell ({t0:,} bytes, {n0} pairs)"
-        easiest = [r for r in self.results if r["phase"] == "recall" and r["status"] == "ok" and r["seed"] in p.seeds
-                   and (r["variant"], r["seq_len"], r["pairs"]) == (p.reference, t0, n0)]
-        failing = {r["lr"] for r in easiest if not solved([r])}  # rates that cannot solve it in every seed
+        easiest = recall_runs(p, self.results).get((p.reference, t0, n0), {})
+        failing = {lr for lr, runs in easiest.items() if solved(runs) < len(runs)}  # cannot solve it every seed
         if (p.reference, t0, n0) in best or len(failing) == len(p.recall_lrs):
-            lr, runs = best.get((p.reference, t0, n0), (None, []))
+            _, runs = best.get((p.reference, t0, n0), (None, []))
             if solved(runs) == len(p.seeds):
                 verdict = (f"{label(p.reference)} solved {cell} in every seed at its best rate: the probe can tell "
                            "the attentions apart.")
@@ -459,7 +459,8 @@ class Report:
                 verdict = (f"**The probe is invalid**: at no rate did {label(p.reference)} solve {cell} in every "
                            "seed, so a failure here does not tell the attentions apart.")
         else:  # an incomplete study's report
-            verdict = (f"Not settled yet: {len(easiest)} of {len(p.recall_lrs) * len(p.seeds)} of "
+            finished = sum(map(len, easiest.values()))
+            verdict = (f"Not settled yet: {finished} of {len(p.recall_lrs) * len(p.seeds)} of "
                        f"{label(p.reference)}'s runs of {cell} have finished; the probe tells the attentions apart "
                        "only if it solves it in every seed at some rate.")
         edges = (min(p.recall_lrs), max(p.recall_lrs))
